@@ -1,0 +1,23 @@
+"""JAX (Flax NNX) implementation of the DeepSeek-V4 CSA lightning indexer and its KL loss.
+
+Pure functions carry the math (pooling, rope, scoring, loss); `CSAIndexer` is a
+thin nnx.Module holding the six parameters. No torch here.
+"""
+
+from .api import indexer_forward, indexer_loss, indexer_loss_and_grads
+from .config import DTYPES, CSAConfig, resolve_dtype
+from .module import CSAIndexer
+from .validate import PARAM_NAMES, validate_inputs, validate_params
+
+__all__ = [
+    "CSAConfig",
+    "CSAIndexer",
+    "DTYPES",
+    "PARAM_NAMES",
+    "indexer_forward",
+    "indexer_loss",
+    "indexer_loss_and_grads",
+    "resolve_dtype",
+    "validate_inputs",
+    "validate_params",
+]

@@ -1,0 +1,138 @@
+"""Static configuration of the CSA indexer (SPEC section 1).
+
+A frozen, hashable dataclass: it is passed to `jax.jit` as a static argument,
+so every shape it implies is static. Every bad field is a `ValueError` naming
+the field, the value, the rule and, where there is a finite set, the valid
+choices. The torch reference validates on its own with the same messages
+(docs/API.md); the two share no code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+_POSITIVE_INTS = (
+    "emb_dim",
+    "q_lora_rank",
+    "index_n_heads",
+    "index_head_dim",
+    "compress_ratio",
+    "index_topk",
+    "num_query_heads",
+    "head_dim",
+)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class CSAConfig:
+    emb_dim: int
+    q_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    rope_head_dim: int
+    compress_ratio: int
+    index_topk: int
+    num_query_heads: int
+    head_dim: int
+    rope_theta: float = 160000.0
+    norm_eps: float = 1e-6
+    indexer_head_chunk: int = 0
+    loss_head_chunk: int = 0
+    sparse_loss: bool = False
+    loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_INTS[:4]:
+            _check_positive_int(name, getattr(self, name))
+        dr = self.rope_head_dim
+        if not _is_int(dr):
+            raise ValueError(f"rope_head_dim={dr!r} must be an int")
+        if dr % 2:
+            raise ValueError(f"rope_head_dim={dr!r} must be even")
+        if not 0 <= dr <= self.index_head_dim:
+            raise ValueError(
+                f"rope_head_dim={dr!r} must satisfy 0 <= rope_head_dim <= "
+                f"index_head_dim={self.index_head_dim}"
+            )
+        for name in _POSITIVE_INTS[4:]:
+            _check_positive_int(name, getattr(self, name))
+        for name in ("rope_theta", "norm_eps"):
+            v = getattr(self, name)
+            if not _is_number(v):
+                raise ValueError(f"{name}={v!r} must be a number")
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}={v!r} must be finite and > 0")
+        _check_chunk("indexer_head_chunk", self.indexer_head_chunk, "index_n_heads", self.index_n_heads)
+        _check_chunk("loss_head_chunk", self.loss_head_chunk, "num_query_heads", self.num_query_heads)
+        if not isinstance(self.sparse_loss, bool):
+            raise ValueError(f"sparse_loss={self.sparse_loss!r} must be a bool")
+        if not _is_number(self.loss_scale):
+            raise ValueError(f"loss_scale={self.loss_scale!r} must be a number")
+        if not math.isfinite(self.loss_scale):
+            raise ValueError(f"loss_scale={self.loss_scale!r} must be finite")
+
+    # -- derived sizes -------------------------------------------------
+    def num_blocks(self, seq_len: int) -> int:
+        """W = S // m: whole compressed blocks in a sequence of `seq_len` tokens."""
+        return seq_len // self.compress_ratio
+
+    # -- serialisation -------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CSAConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in names:
+                raise ValueError(f"unknown config field {key!r} (valid: {', '.join(names)})")
+        for f in dataclasses.fields(cls):
+            if f.default is dataclasses.MISSING and f.name not in d:
+                raise ValueError(f"missing config field {f.name!r}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_positive_int(name: str, v: Any) -> None:
+    if not _is_int(v):
+        raise ValueError(f"{name}={v!r} must be an int")
+    if v < 1:
+        raise ValueError(f"{name}={v!r} must be >= 1")
+
+
+def _check_chunk(name: str, v: Any, heads_name: str, heads: int) -> None:
+    if not (_is_int(v) and (v == 0 or (v > 0 and heads % v == 0))):
+        valid = ", ".join(str(c) for c in [0, *_divisors(heads)])
+        raise ValueError(f"{name}={v!r} must divide {heads_name}={heads} (valid: {valid})")
+
+
+def resolve_dtype(name: Any) -> tuple[jnp.dtype, jnp.dtype]:
+    """Compute dtype and wide (accumulation) dtype for a dtype name (SPEC section 2)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported (valid: {', '.join(DTYPES)})")
+    if name == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "dtype='float64' needs JAX 64-bit mode, which is off: set JAX_ENABLE_X64=1 or call "
+            "jax.config.update('jax_enable_x64', True) before any computation"
+        )
+    dtype = jnp.dtype(name)
+    wide = jnp.dtype("float64") if name == "float64" else jnp.dtype("float32")
+    return dtype, wide

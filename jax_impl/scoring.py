@@ -1,0 +1,97 @@
+"""Lightning-indexer scores and top-k (SPEC section 7), native and head-chunked.
+
+score[b,s,j] = sum_h w[b,s,h] * relu(q[b,s,h] . K[b,j]) * DI**-0.5
+
+The native path materialises the [B, S, HI, W] logits at once. The chunked
+path walks the heads with `jax.lax.scan`, `indexer_head_chunk` heads a step,
+adding each chunk's [B, S, W] contribution into a wide-dtype accumulator. The
+chunk's queries are projected INSIDE the scan body from `q_latent` and the
+chunk's columns of `wq_b`, so neither an all-heads q nor its gradient ever
+exists; the body runs under `jax.checkpoint`, so the backward pass keeps one
+chunk's intermediates, not all heads'.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .pooling import block_positions
+from .rope import apply_rope
+
+
+def block_validity(position_ids, segment_ids, cfg, seq_len: int):
+    """[B, S, W] bool: block j lies wholly in query s's past, inside its document."""
+    m = cfg.compress_ratio
+    w = cfg.num_blocks(seq_len)
+    b = position_ids.shape[0]
+    first = block_positions(position_ids, m, w)  # [B, W]
+    causal = first[:, None, :] + m <= position_ids[:, :, None] + 1
+    seg_blocks = segment_ids[:, : w * m].reshape(b, w, m)
+    uniform = jnp.all(seg_blocks == seg_blocks[..., :1], axis=-1)  # [B, W]
+    same_doc = uniform[:, None, :] & (seg_blocks[:, None, :, 0] == segment_ids[:, :, None])
+    return causal & same_doc
+
+
+def head_weights(x, weights_proj, n_heads: int, wide):
+    """w = (x @ weights_proj) * HI**-0.5: the product in the compute dtype, then widened."""
+    return (x @ weights_proj).astype(wide) * (n_heads**-0.5)
+
+
+def _queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
+    """Project and rotate queries for `n_heads` heads: [B, S, n_heads, DI] in the compute dtype."""
+    b, s, _ = q_latent.shape
+    q = (q_latent @ wq).reshape(b, s, n_heads, cfg.index_head_dim)
+    return apply_rope(q, position_ids[:, :, None], cfg.rope_head_dim, cfg.rope_theta, wide)
+
+
+def _head_contribution(q, keys_wide, hw):
+    """sum_h hw[b,s,h] * relu(q[b,s,h] . K[b,j]) for the heads in q: [B, S, W], wide."""
+    logits = jnp.einsum("bshd,bwd->bshw", q.astype(keys_wide.dtype), keys_wide)
+    return jnp.einsum("bsh,bshw->bsw", hw, jax.nn.relu(logits))
+
+
+def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide):
+    """Unmasked scores [B, S, W] in the wide dtype.
+
+    q_latent, wq_b and keys are in the compute dtype; hw [B, S, HI] is wide.
+    """
+    heads, di, chunk = cfg.index_n_heads, cfg.index_head_dim, cfg.indexer_head_chunk
+    keys_wide = keys.astype(wide)
+    if chunk == 0:
+        q = _queries(q_latent, wq_b, position_ids, heads, cfg, wide)
+        acc = _head_contribution(q, keys_wide, hw)
+    else:
+
+        @jax.checkpoint
+        def body(acc, i):
+            wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * di), chunk * di, axis=1)
+            q = _queries(q_latent, wq, position_ids, chunk, cfg, wide)
+            hw_c = jax.lax.dynamic_slice_in_dim(hw, i * chunk, chunk, axis=2)
+            return acc + _head_contribution(q, keys_wide, hw_c), None
+
+        b, s, _ = q_latent.shape
+        acc0 = jnp.zeros((b, s, keys.shape[1]), wide)
+        acc, _ = jax.lax.scan(body, acc0, jnp.arange(heads // chunk))
+    return acc * (di**-0.5)
+
+
+def mask_scores(scores, valid):
+    """Invalid entries become -inf."""
+    return jnp.where(valid, scores, -jnp.inf)
+
+
+def topk_indices(masked_scores, valid, k: int):
+    """Top-k block indices per query, [B, S, min(k, W)] int32; an invalid pick is -1."""
+    b, s, w = masked_scores.shape
+    k_eff = min(k, w)
+    if k_eff == 0:
+        return jnp.zeros((b, s, 0), jnp.int32)
+    _, idx = jax.lax.top_k(jax.lax.stop_gradient(masked_scores), k_eff)
+    picked_valid = jnp.take_along_axis(valid, idx, axis=-1)
+    return jnp.where(picked_valid, idx, -1).astype(jnp.int32)
+
+
+def selection_mask(topk, num_blocks: int):
+    """[B, S, W] bool: j is among the (non -1) picks of query s."""
+    return jnp.any(topk[..., :, None] == jnp.arange(num_blocks), axis=-2)

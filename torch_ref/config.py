@@ -1,0 +1,256 @@
+"""Configuration, dtype names and input checks of the torch reference.
+
+The config rules and their messages are the contract of docs/API.md: the JAX
+side raises the same text for the same mistake. This module knows nothing of
+JAX; the math lives in `reference.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def resolve_dtype(name: Any) -> tuple[torch.dtype, torch.dtype]:
+    """Compute dtype name -> (torch compute dtype, torch wide dtype) (SPEC §2)."""
+    if not isinstance(name, str) or name not in _TORCH_DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported (valid: {', '.join(DTYPES)})")
+    dtype = _TORCH_DTYPES[name]
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return dtype, wide
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _chunk_message(name: str, value: Any, heads_name: str, heads: int) -> str:
+    valid = ", ".join(str(c) for c in [0] + [d for d in range(1, heads + 1) if heads % d == 0])
+    return f"{name}={value!r} must divide {heads_name}={heads} (valid: {valid})"
+
+
+@dataclasses.dataclass(frozen=True)
+class CSAConfig:
+    """The CSA indexer configuration (SPEC §1), validated on construction."""
+
+    emb_dim: int
+    q_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    rope_head_dim: int
+    compress_ratio: int
+    index_topk: int
+    num_query_heads: int
+    head_dim: int
+    rope_theta: float = 160000.0
+    norm_eps: float = 1e-6
+    indexer_head_chunk: int = 0
+    loss_head_chunk: int = 0
+    sparse_loss: bool = False
+    loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Checked in field order; the first violation raises.
+        for f in dataclasses.fields(self):
+            name, v = f.name, getattr(self, f.name)
+            if name == "rope_head_dim":
+                if not _is_int(v):
+                    raise ValueError(f"rope_head_dim={v!r} must be an int")
+                if v % 2 != 0:
+                    raise ValueError(f"rope_head_dim={v!r} must be even")
+                if not 0 <= v <= self.index_head_dim:
+                    raise ValueError(
+                        f"rope_head_dim={v!r} must satisfy 0 <= rope_head_dim <= "
+                        f"index_head_dim={self.index_head_dim}"
+                    )
+            elif name in ("rope_theta", "norm_eps"):
+                if not _is_number(v):
+                    raise ValueError(f"{name}={v!r} must be a number")
+                if not (math.isfinite(v) and v > 0):
+                    raise ValueError(f"{name}={v!r} must be finite and > 0")
+            elif name == "indexer_head_chunk":
+                if not (_is_int(v) and (v == 0 or (v > 0 and self.index_n_heads % v == 0))):
+                    raise ValueError(
+                        _chunk_message(name, v, "index_n_heads", self.index_n_heads)
+                    )
+            elif name == "loss_head_chunk":
+                if not (_is_int(v) and (v == 0 or (v > 0 and self.num_query_heads % v == 0))):
+                    raise ValueError(
+                        _chunk_message(name, v, "num_query_heads", self.num_query_heads)
+                    )
+            elif name == "sparse_loss":
+                if not isinstance(v, bool):
+                    raise ValueError(f"sparse_loss={v!r} must be a bool")
+            elif name == "loss_scale":
+                if not _is_number(v):
+                    raise ValueError(f"loss_scale={v!r} must be a number")
+                if not math.isfinite(v):
+                    raise ValueError(f"loss_scale={v!r} must be finite")
+            else:  # the positive int fields
+                if not _is_int(v):
+                    raise ValueError(f"{name}={v!r} must be an int")
+                if v < 1:
+                    raise ValueError(f"{name}={v!r} must be >= 1")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CSAConfig":
+        fields = dataclasses.fields(cls)
+        names = [f.name for f in fields]
+        for key in d:
+            if key not in names:
+                raise ValueError(f"unknown config field {key!r} (valid: {', '.join(names)})")
+        for f in fields:
+            no_default = f.default is dataclasses.MISSING
+            if no_default and f.name not in d:
+                raise ValueError(f"missing config field {f.name!r}")
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# --------------------------------------------------------------------------- inputs
+
+_FLOAT_INPUTS = ("hidden_states", "q_latent", "teacher_query", "teacher_kv")
+_INT_INPUTS = ("position_ids", "segment_ids")
+INPUT_NAMES = ("hidden_states", "q_latent", "position_ids", "segment_ids",
+               "teacher_query", "teacher_kv")
+TEACHER_INPUTS = ("teacher_query", "teacher_kv")
+PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm",
+               "indexer.wq_b", "indexer.weights_proj")
+
+
+def _as_tensor(v: Any) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    return torch.as_tensor(np.asarray(v))
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _fmt_dims(symbols: list[str], values: list[Any]) -> str:
+    return f"[{', '.join(symbols)}] = [{', '.join(str(v) for v in values)}]"
+
+
+def _check_array(label: str, t: torch.Tensor, symbols: list[str], values: list[Any],
+                 kind: str) -> None:
+    """Shape (rank and sizes), dtype kind ('float' / 'int'), finiteness."""
+    shape = tuple(int(s) for s in t.shape)
+    if len(shape) != len(values) or any(
+        isinstance(v, int) and s != v for s, v in zip(shape, values)
+    ):
+        raise ValueError(f"{label} has shape {shape}; expected {_fmt_dims(symbols, values)}")
+    if kind == "float":
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{label} has dtype {_dtype_name(t)}; expected a floating dtype")
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+            raise ValueError(f"{label} contains NaN/Inf at index {idx}")
+    else:
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{label} has dtype {_dtype_name(t)}; expected an integer dtype")
+
+
+def validate_params(params: Mapping[str, Any], cfg: CSAConfig) -> None:
+    """Every canonical parameter present, floating, shaped per SPEC §3, finite."""
+    E, R, HI, DI, m = (cfg.emb_dim, cfg.q_lora_rank, cfg.index_n_heads,
+                       cfg.index_head_dim, cfg.compress_ratio)
+    expected = {
+        "indexer.wkv": (["emb_dim", "2*index_head_dim"], [E, 2 * DI]),
+        "indexer.wgate": (["emb_dim", "2*index_head_dim"], [E, 2 * DI]),
+        "indexer.ape": (["compress_ratio", "2*index_head_dim"], [m, 2 * DI]),
+        "indexer.kv_norm": (["index_head_dim"], [DI]),
+        "indexer.wq_b": (["q_lora_rank", "index_n_heads*index_head_dim"], [R, HI * DI]),
+        "indexer.weights_proj": (["emb_dim", "index_n_heads"], [E, HI]),
+    }
+    for name in PARAM_NAMES:
+        if name not in params:
+            raise ValueError(f"missing param {name!r}")
+        symbols, values = expected[name]
+        _check_array(f"params[{name!r}]", _as_tensor(params[name]), symbols, values, "float")
+
+
+def validate_selection(selection: Any, B: int, S: int, k_eff: int, W: int) -> None:
+    """A sparse-loss selection: [B, S, k_eff] integer indices in [-1, W)."""
+    t = _as_tensor(selection)
+    _check_array("selection", t, ["B", "S", "k_eff"], [B, S, k_eff], "int")
+    bad = (t < -1) | (t >= W)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"selection has value {int(t[idx])} at index {idx}; expected -1 <= value < W = {W}"
+        )
+
+
+def validate_inputs(inputs: Mapping[str, Any], cfg: CSAConfig,
+                    params: Mapping[str, Any] | None = None, *,
+                    require_teacher: bool = True) -> None:
+    """Check the inputs (SPEC §4), then the params when given (SPEC §3).
+
+    Inputs are checked in SPEC §4 order; for each: present, shape, dtype kind,
+    finiteness; the position/segment monotonicity check follows segment_ids.
+    B and S come from hidden_states. The teacher inputs are required only when
+    `require_teacher` (the loss); when present they are always checked.
+    Raises ValueError with the first problem found.
+    """
+    E, R, H, D, m = (cfg.emb_dim, cfg.q_lora_rank, cfg.num_query_heads,
+                     cfg.head_dim, cfg.compress_ratio)
+    B: Any = "B"
+    S: Any = "S"
+    tensors: dict[str, torch.Tensor] = {}
+    for name in INPUT_NAMES:
+        if name not in inputs:
+            if name in TEACHER_INPUTS and not require_teacher:
+                continue
+            raise ValueError(f"missing input {name!r}")
+        t = _as_tensor(inputs[name])
+        label = f"inputs[{name!r}]"
+        if name == "hidden_states":
+            if t.ndim >= 2:
+                B, S = int(t.shape[0]), int(t.shape[1])
+            _check_array(label, t, ["B", "S", "emb_dim"], [B, S, E], "float")
+        elif name == "q_latent":
+            _check_array(label, t, ["B", "S", "q_lora_rank"], [B, S, R], "float")
+        elif name in _INT_INPUTS:
+            _check_array(label, t, ["B", "S"], [B, S], "int")
+        elif name == "teacher_query":
+            _check_array(label, t, ["B", "S", "num_query_heads", "head_dim"],
+                         [B, S, H, D], "float")
+        elif name == "teacher_kv":
+            _check_array(label, t, ["B", "W", "head_dim"], [B, S // m, D], "float")
+        tensors[name] = t
+        if name == "segment_ids":
+            pos = tensors["position_ids"].to(torch.int64)
+            seg = t.to(torch.int64)
+            bad = (pos[:, 1:] < pos[:, :-1]) & (seg[:, 1:] == seg[:, :-1])
+            if bool(bad.any()):
+                b, s1 = (int(i) for i in torch.nonzero(bad)[0])
+                raise ValueError(
+                    f"inputs['position_ids'] decreases inside a document at (b, s)=({b}, {s1 + 1}): "
+                    f"{int(pos[b, s1])} -> {int(pos[b, s1 + 1])}"
+                )
+    if params is not None:
+        validate_params(params, cfg)

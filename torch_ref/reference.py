@@ -1,0 +1,276 @@
+"""The torch reference of the CSA lightning indexer and its KL loss (SPEC §5-8).
+
+Plain torch, top to bottom, never chunked. `dtype` is the compute dtype of the
+projections, the pooled keys and the RoPE output; the "wide" dtype (float32,
+or float64 when dtype is float64) carries the gate softmax, RMSNorm, the RoPE
+rotation, the scoring sums, the head weights and the whole loss.
+
+Parameters arrive as float32 `[in, out]` arrays under their canonical names.
+They are widened (exactly) to the wide dtype, differentiated with respect to
+that copy, and cast to `dtype` before every use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .config import (
+    PARAM_NAMES,
+    CSAConfig,
+    resolve_dtype,
+    validate_inputs,
+    validate_selection,
+)
+
+MASK = -0.7 * torch.finfo(torch.float32).max
+EPS = 1e-8
+
+
+def _to_wide(v: Any, wide: torch.dtype) -> torch.Tensor:
+    """numpy array or tensor -> a fresh wide-dtype leaf tensor (no grad yet)."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().to(wide).clone()
+    return torch.as_tensor(v).to(wide).clone()
+
+
+def _to_long(v: Any) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.detach().to(torch.int64)
+    return torch.as_tensor(v).to(torch.int64)
+
+
+# --------------------------------------------------------------------------- §6 RoPE
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, cfg: CSAConfig, dtype, wide) -> torch.Tensor:
+    """Interleaved partial RoPE on the trailing `rope_head_dim` channels.
+
+    x: [..., DI] in `dtype`; pos: integer positions broadcastable to x[..., 0]
+    (one per row). Rotation in the wide dtype, result cast to `dtype`.
+    """
+    DI, DR = cfg.index_head_dim, cfg.rope_head_dim
+    if DR == 0:
+        return x
+    xw = x.to(wide)
+    x_pass, x_rot = xw[..., : DI - DR], xw[..., DI - DR:]
+    i = torch.arange(DR // 2, dtype=wide)
+    inv_freq = torch.pow(torch.tensor(cfg.rope_theta, dtype=wide), -(2.0 * i) / DR)
+    angle = pos.to(wide)[..., None] * inv_freq  # [..., DR/2]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    pairs = x_rot.reshape(*x_rot.shape[:-1], DR // 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    y0 = x0 * cos - x1 * sin
+    y1 = x1 * cos + x0 * sin
+    rotated = torch.stack([y0, y1], dim=-1).reshape(x_rot.shape)
+    return torch.cat([x_pass, rotated], dim=-1).to(dtype)
+
+
+# --------------------------------------------------------------------------- §5 compressor
+
+
+def compress(x, p, pos, cfg: CSAConfig, dtype, wide) -> torch.Tensor:
+    """Overlap pooling -> RMSNorm -> RoPE. x: [B,S,E] in dtype; returns K [B,W,DI] in dtype."""
+    B, S, _ = x.shape
+    m, DI = cfg.compress_ratio, cfg.index_head_dim
+    W = S // m
+    U = W * m
+
+    # 1. projections in dtype; keep the first U tokens; gate += ape.
+    kv = (x @ p["indexer.wkv"].to(dtype))[:, :U].reshape(B, W, m, 2 * DI)
+    gate = (x @ p["indexer.wgate"].to(dtype))[:, :U].reshape(B, W, m, 2 * DI)
+    gate = gate + p["indexer.ape"].to(dtype)
+
+    # 2. a = share of the NEXT block, b = share of its own block.
+    kv_a, kv_b = kv[..., :DI], kv[..., DI:]
+    gate_a, gate_b = gate[..., :DI], gate[..., DI:]
+
+    # 3. block w pools the a-slots of block w-1, then the b-slots of block w.
+    #    Block 0, and a block whose predecessor is another document
+    #    (pos[w*m] != pos[(w-1)*m] + m), gets kv 0 / gate -inf in its a-slots.
+    block_pos = pos[:, 0:U:m]  # [B, W], the position of each block's first token
+    prev_pos = torch.cat([block_pos[:, :1], block_pos[:, :-1]], dim=1)
+    w_idx = torch.arange(W)
+    continues = (w_idx > 0)[None, :] & (block_pos == prev_pos + m)  # [B, W]
+    cont = continues[:, :, None, None]
+    prev_kv_a = torch.cat([torch.zeros_like(kv_a[:, :1]), kv_a[:, :-1]], dim=1)
+    prev_gate_a = torch.cat([torch.zeros_like(gate_a[:, :1]), gate_a[:, :-1]], dim=1)
+    slot_kv = torch.cat(
+        [torch.where(cont, prev_kv_a, torch.zeros_like(prev_kv_a)), kv_b], dim=2
+    )  # [B, W, 2m, DI]
+    slot_gate = torch.cat(
+        [torch.where(cont, prev_gate_a, torch.full_like(prev_gate_a, float("-inf"))), gate_b],
+        dim=2,
+    )
+
+    # 4. softmax over the 2m slots per channel, and the weighted sum, wide.
+    weights = torch.softmax(slot_gate.to(wide), dim=2)
+    pooled = torch.sum(slot_kv.to(wide) * weights, dim=2)  # [B, W, DI]
+
+    # 5. RMSNorm wide, then cast to dtype.
+    kv_norm = p["indexer.kv_norm"].to(dtype).to(wide)
+    normed = kv_norm * (pooled / torch.sqrt(torch.mean(pooled * pooled, dim=-1, keepdim=True)
+                                            + cfg.norm_eps))
+    normed = normed.to(dtype)
+
+    # 6. RoPE at the block position.
+    return rope(normed, block_pos, cfg, dtype, wide)
+
+
+# --------------------------------------------------------------------------- §7 scores, top-k
+
+
+def block_validity(pos: torch.Tensor, seg: torch.Tensor, cfg: CSAConfig) -> torch.Tensor:
+    """valid[b,s,j]: block j is wholly in query s's past and in its document. [B,S,W] bool."""
+    B, S = pos.shape
+    m = cfg.compress_ratio
+    W = S // m
+    U = W * m
+    block_pos = pos[:, 0:U:m]  # [B, W]
+    causal = block_pos[:, None, :] + m <= pos[:, :, None] + 1
+    seg_blocks = seg[:, :U].reshape(B, W, m)
+    same_doc = torch.all(seg_blocks[:, None, :, :] == seg[:, :, None, None], dim=-1)
+    return causal & same_doc
+
+
+def scores_and_keys(p, x, q_latent, pos, seg, cfg: CSAConfig, dtype, wide):
+    """-> (K [B,W,DI] dtype, raw score [B,S,W] wide (no mask), valid [B,S,W] bool)."""
+    B, S, _ = x.shape
+    HI, DI = cfg.index_n_heads, cfg.index_head_dim
+    K = compress(x, p, pos, cfg, dtype, wide)
+    q = (q_latent @ p["indexer.wq_b"].to(dtype)).reshape(B, S, HI, DI)
+    q = rope(q, pos[:, :, None], cfg, dtype, wide)
+    w = (x @ p["indexer.weights_proj"].to(dtype)).to(wide) * HI ** -0.5  # [B, S, HI]
+    dots = torch.einsum("bshd,bjd->bshj", q.to(wide), K.to(wide))  # [B, S, HI, W]
+    raw = torch.sum(w[..., None] * torch.relu(dots) * DI ** -0.5, dim=2)  # [B, S, W]
+    return K, raw, block_validity(pos, seg, cfg)
+
+
+def topk_indices(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-min(k, W) indices of the masked scores; an invalid pick becomes -1. int64."""
+    B, S, W = scores.shape
+    k_eff = min(k, W)
+    if k_eff == 0:
+        return torch.zeros((B, S, 0), dtype=torch.int64)
+    idx = torch.topk(scores.detach(), k_eff, dim=-1).indices
+    picked_valid = torch.gather(valid, -1, idx)
+    return torch.where(picked_valid, idx, torch.full_like(idx, -1))
+
+
+# --------------------------------------------------------------------------- §8 loss
+
+
+def kl_loss(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None) -> torch.Tensor:
+    """The KL distillation loss from the raw student scores (wide) and the teacher (wide)."""
+    B, S, W = raw.shape
+    invalid = ~valid
+    if cfg.sparse_loss:
+        if selection is None:
+            masked = torch.where(valid, raw, torch.full_like(raw, float("-inf")))
+            selection = topk_indices(masked, valid, cfg.index_topk)
+        picked = torch.any(selection[..., None] == torch.arange(W), dim=-2)  # [B, S, W]
+        invalid = invalid | ~picked
+    valid_tok = torch.any(~invalid, dim=-1)  # [B, S]
+    row = valid_tok[..., None]  # [B, S, 1]
+
+    # Teacher distribution.
+    a = torch.einsum("bshd,bjd->bhsj", tq, tkv)  # [B, H, S, W]
+    a = torch.where(invalid[:, None], a + MASK, a)
+    a = torch.where(row[:, None], a, torch.zeros_like(a))
+    T = torch.sum(torch.softmax(a, dim=-1), dim=1)  # [B, S, W]
+    T = torch.where(row, T, torch.zeros_like(T))
+    T = T / (torch.sum(T, dim=-1, keepdim=True) + EPS)
+
+    # Student log-distribution. MASK (not -inf) at invalid entries in both modes:
+    # exp(MASK - max) underflows to exactly 0, so this equals the -inf-masked
+    # score of §7, and log_p stays finite (no 0 * inf anywhere, forward or backward).
+    z = torch.where(invalid, torch.full_like(raw, MASK), raw)
+    z = torch.where(row, z, torch.zeros_like(z))
+    log_p = torch.log_softmax(z, dim=-1)
+    log_p = torch.where(row, log_p, torch.zeros_like(log_p))
+
+    positive = T > 0
+    T_safe = torch.where(positive, T, torch.ones_like(T))
+    terms = torch.where(positive, T_safe * (torch.log(T_safe + EPS) - log_p),
+                        torch.zeros_like(T))
+    kl = torch.where(valid_tok, torch.sum(terms, dim=-1), torch.zeros_like(valid_tok, dtype=wide))
+    count = torch.clamp(torch.sum(valid_tok), min=1).to(wide)
+    return cfg.loss_scale * torch.sum(kl) / count
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _prepare(params, inputs, cfg, dtype_name, *, teacher: bool):
+    validate_inputs(inputs, cfg, params=params, require_teacher=teacher)
+    dtype, wide = resolve_dtype(dtype_name)
+    p = {name: _to_wide(params[name], wide).requires_grad_(True) for name in PARAM_NAMES}
+    # Wide-dtype copies of the float inputs that *could* receive a gradient: the
+    # stop-gradient below is what keeps it at zero, and the tests check that.
+    leaves = {"hidden_states": _to_wide(inputs["hidden_states"], wide).requires_grad_(True),
+              "q_latent": _to_wide(inputs["q_latent"], wide).requires_grad_(True)}
+    if teacher:
+        leaves["teacher_query"] = _to_wide(inputs["teacher_query"], wide).requires_grad_(True)
+        leaves["teacher_kv"] = _to_wide(inputs["teacher_kv"], wide).requires_grad_(True)
+    pos = _to_long(inputs["position_ids"])
+    seg = _to_long(inputs["segment_ids"])
+    return p, leaves, pos, seg, dtype, wide
+
+
+def indexer_forward(params: Mapping[str, Any], inputs: Mapping[str, Any], cfg: CSAConfig,
+                    dtype: str) -> dict[str, torch.Tensor]:
+    """compressed_keys [B,W,DI] (dtype), index_scores [B,S,W] (wide, -inf invalid),
+    topk_indices [B,S,k_eff] (int64, -1 invalid)."""
+    with torch.no_grad():
+        p, leaves, pos, seg, dtype_t, wide = _prepare(params, inputs, cfg, dtype, teacher=False)
+        x = leaves["hidden_states"].to(dtype_t).detach()
+        ql = leaves["q_latent"].to(dtype_t).detach()
+        K, raw, valid = scores_and_keys(p, x, ql, pos, seg, cfg, dtype_t, wide)
+        scores = torch.where(valid, raw, torch.full_like(raw, float("-inf")))
+        topk = topk_indices(scores, valid, cfg.index_topk)
+    return {"compressed_keys": K, "index_scores": scores, "topk_indices": topk}
+
+
+def _loss(p, leaves, pos, seg, cfg, dtype_t, wide, selection):
+    x = leaves["hidden_states"].to(dtype_t).detach()  # the indexer's stop-gradient
+    ql = leaves["q_latent"].to(dtype_t).detach()
+    tq = leaves["teacher_query"].to(dtype_t).to(wide).detach()  # teacher: rounded, detached
+    tkv = leaves["teacher_kv"].to(dtype_t).to(wide).detach()
+    _, raw, valid = scores_and_keys(p, x, ql, pos, seg, cfg, dtype_t, wide)
+    return kl_loss(raw, valid, tq, tkv, cfg, wide, selection)
+
+
+def _selection(selection, cfg, inputs):
+    if selection is None or not cfg.sparse_loss:
+        return None
+    B, S = (int(d) for d in torch.as_tensor(inputs["position_ids"]).shape)
+    W = S // cfg.compress_ratio
+    validate_selection(selection, B, S, min(cfg.index_topk, W), W)
+    return _to_long(selection)
+
+
+def indexer_loss(params, inputs, cfg: CSAConfig, dtype: str, selection=None) -> torch.Tensor:
+    """The scalar loss (wide dtype). `selection` replaces the own top-k when sparse_loss."""
+    with torch.no_grad():
+        p, leaves, pos, seg, dtype_t, wide = _prepare(params, inputs, cfg, dtype, teacher=True)
+        sel = _selection(selection, cfg, inputs)
+        return _loss(p, leaves, pos, seg, cfg, dtype_t, wide, sel)
+
+
+def indexer_loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection=None):
+    """-> (loss, {param: grad (wide)}, {input: grad (wide)})."""
+    p, leaves, pos, seg, dtype_t, wide = _prepare(params, inputs, cfg, dtype, teacher=True)
+    sel = _selection(selection, cfg, inputs)
+    with torch.enable_grad():
+        loss = _loss(p, leaves, pos, seg, cfg, dtype_t, wide, sel)
+        wrt = [p[n] for n in PARAM_NAMES] + list(leaves.values())
+        if loss.requires_grad:
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        else:
+            grads = [None] * len(wrt)
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
+    n = len(PARAM_NAMES)
+    param_grads = dict(zip(PARAM_NAMES, grads[:n]))
+    input_grads = dict(zip(leaves.keys(), grads[n:]))
+    return loss.detach(), param_grads, input_grads
