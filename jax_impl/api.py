@@ -16,6 +16,7 @@ import numpy as np
 from .config import CSAConfig, resolve_dtype
 from .loss import kl_loss
 from .pooling import compress_keys
+from .precision import round_to
 from .scoring import block_validity, head_weights, mask_scores, raw_scores, topk_indices
 from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, validate_inputs, validate_params
 
@@ -23,10 +24,10 @@ from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, validate_inputs, va
 def _forward_core(params, inputs, cfg: CSAConfig, dtype_name: str):
     """Keys, masked scores, validity and top-k from wide params (SPEC sections 5-7)."""
     dtype, wide = resolve_dtype(dtype_name)
-    p = {k: v.astype(dtype) for k, v in params.items()}
+    p = {k: round_to(v, dtype) for k, v in params.items()}
     # The indexer never trains the hidden states or the query latent.
-    x = jax.lax.stop_gradient(inputs["hidden_states"]).astype(dtype)
-    q_latent = jax.lax.stop_gradient(inputs["q_latent"]).astype(dtype)
+    x = round_to(jax.lax.stop_gradient(inputs["hidden_states"]), dtype)
+    q_latent = round_to(jax.lax.stop_gradient(inputs["q_latent"]), dtype)
     pos, seg = inputs["position_ids"], inputs["segment_ids"]
     keys = compress_keys(
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide

@@ -13,16 +13,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .precision import round_to
 from .scoring import selection_mask
 
 MASK = -0.7 * float(np.finfo(np.float32).max)
 EPS = 1e-8
 
 
-def _teacher_probs(a, valid_tok, additive_mask):
-    """sum over the heads in `a` [B, S, h, W] of softmax_j, masked rows zeroed first."""
-    a = a + additive_mask[:, :, None, :]
-    a = jnp.where(valid_tok[:, :, None, None], a, 0.0)
+def _teacher_probs(tq, teacher_kv, additive_mask):
+    """sum over the heads of tq [B, S, h, D] of softmax_j(tq . teacher_kv[j] + mask): [B, S, W].
+
+    SPEC section 8 replaces the logits of rows with no valid block by 0 before the
+    softmax; those rows of T are zeroed afterwards (teacher_distribution), so their
+    softmax never reaches a result and is not masked here. Leaving that select out
+    lets XLA fuse the logits, the softmax and the head sum into one pass that never
+    holds a [B, S, h, W] array.
+    """
+    a = jnp.einsum("bshd,bwd->bshw", tq, teacher_kv) + additive_mask[:, :, None, :]
     return jnp.sum(jax.nn.softmax(a, axis=-1), axis=2)
 
 
@@ -33,15 +40,13 @@ def teacher_distribution(teacher_query, teacher_kv, keep, valid_tok, chunk: int)
     """
     additive_mask = jnp.where(keep, 0.0, MASK).astype(teacher_query.dtype)
     if chunk == 0:
-        a = jnp.einsum("bshd,bwd->bshw", teacher_query, teacher_kv)
-        t = _teacher_probs(a, valid_tok, additive_mask)
+        t = _teacher_probs(teacher_query, teacher_kv, additive_mask)
     else:
         heads = teacher_query.shape[2]
 
         def body(acc, i):
             tq = jax.lax.dynamic_slice_in_dim(teacher_query, i * chunk, chunk, axis=2)
-            a = jnp.einsum("bshd,bwd->bshw", tq, teacher_kv)
-            return acc + _teacher_probs(a, valid_tok, additive_mask), None
+            return acc + _teacher_probs(tq, teacher_kv, additive_mask), None
 
         acc0 = jnp.zeros(keep.shape, teacher_query.dtype)
         t, _ = jax.lax.scan(body, acc0, jnp.arange(heads // chunk))
@@ -64,8 +69,8 @@ def kl_loss(masked_scores, valid, topk, teacher_query, teacher_kv, cfg, dtype, w
         keep = valid & selection_mask(picks, w)
     valid_tok = jnp.any(keep, axis=-1)
 
-    tq = jax.lax.stop_gradient(teacher_query.astype(dtype).astype(wide))
-    tkv = jax.lax.stop_gradient(teacher_kv.astype(dtype).astype(wide))
+    tq = jax.lax.stop_gradient(round_to(teacher_query, dtype).astype(wide))
+    tkv = jax.lax.stop_gradient(round_to(teacher_kv, dtype).astype(wide))
     t = jax.lax.stop_gradient(teacher_distribution(tq, tkv, keep, valid_tok, cfg.loss_head_chunk))
 
     z = masked_scores

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .precision import project, round_to
 from .rope import apply_rope
 
 
@@ -40,8 +41,9 @@ def compress_keys(x, position_ids, wkv, wgate, ape, kv_norm, cfg, wide):
     w = cfg.num_blocks(s)
     u = w * m
     x = x[:, :u]
-    kv = (x @ wkv).reshape(b, w, m, 2 * di)
-    gate = (x @ wgate).reshape(b, w, m, 2 * di) + ape
+    kv = project(x, wkv, wide).reshape(b, w, m, 2 * di)
+    gate = project(x, wgate, wide).reshape(b, w, m, 2 * di)
+    gate = round_to(gate.astype(wide) + ape.astype(wide), x.dtype)  # the add in the compute dtype
     kv_a, kv_b = kv[..., :di], kv[..., di:]
     gate_a, gate_b = gate[..., :di].astype(wide), gate[..., di:].astype(wide)
 
@@ -59,6 +61,6 @@ def compress_keys(x, position_ids, wkv, wgate, ape, kv_norm, cfg, wide):
 
     ms = jnp.mean(pooled * pooled, axis=-1, keepdims=True)
     normed = kv_norm.astype(wide) * pooled / jnp.sqrt(ms + cfg.norm_eps)
-    keys = normed.astype(x.dtype)
+    keys = round_to(normed, x.dtype)
     return apply_rope(keys, block_positions(position_ids, m, w), cfg.rope_head_dim, cfg.rope_theta, wide)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .precision import round_to
+
 
 def apply_rope(x, positions, rope_head_dim: int, theta: float, wide):
     """Rotate the trailing `rope_head_dim` channels of `x` at `positions`.
@@ -32,4 +34,4 @@ def apply_rope(x, positions, rope_head_dim: int, theta: float, wide):
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
     out = out.reshape(rot.shape)
-    return jnp.concatenate([passthrough, out], axis=-1).astype(dtype)
+    return round_to(jnp.concatenate([passthrough, out], axis=-1), dtype)

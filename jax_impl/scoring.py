@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .pooling import block_positions
+from .precision import project
 from .rope import apply_rope
 
 
@@ -35,20 +36,48 @@ def block_validity(position_ids, segment_ids, cfg, seq_len: int):
 
 def head_weights(x, weights_proj, n_heads: int, wide):
     """w = (x @ weights_proj) * HI**-0.5: the product in the compute dtype, then widened."""
-    return (x @ weights_proj).astype(wide) * (n_heads**-0.5)
+    return project(x, weights_proj, wide).astype(wide) * (n_heads**-0.5)
 
 
 def _queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
     """Project and rotate queries for `n_heads` heads: [B, S, n_heads, DI] in the compute dtype."""
     b, s, _ = q_latent.shape
-    q = (q_latent @ wq).reshape(b, s, n_heads, cfg.index_head_dim)
+    q = project(q_latent, wq, wide).reshape(b, s, n_heads, cfg.index_head_dim)
     return apply_rope(q, position_ids[:, :, None], cfg.rope_head_dim, cfg.rope_theta, wide)
 
 
-def _head_contribution(q, keys_wide, hw):
-    """sum_h hw[b,s,h] * relu(q[b,s,h] . K[b,j]) for the heads in q: [B, S, W], wide."""
-    logits = jnp.einsum("bshd,bwd->bshw", q.astype(keys_wide.dtype), keys_wide)
-    return jnp.einsum("bsh,bshw->bsw", hw, jax.nn.relu(logits))
+@jax.custom_vjp
+def _head_contribution(q, keys, hw):
+    """sum_h hw[b,s,h] * relu(q[b,s,h] . K[b,j]) for the heads in q: [B, S, W].
+
+    q [B, S, c, DI], keys [B, W, DI] and hw [B, S, c], all in the wide dtype.
+    """
+    logits = jnp.einsum("bshd,bwd->bshw", q, keys)
+    return jnp.sum(hw[..., None] * jax.nn.relu(logits), axis=2)
+
+
+def _head_contribution_fwd(q, keys, hw):
+    # Keep the (small) inputs only: the backward recomputes the logits.
+    return _head_contribution(q, keys, hw), (q, keys, hw)
+
+
+def _head_contribution_bwd(res, g):
+    q, keys, hw = res
+    b, s, c, d = q.shape
+    # d out / d logits before the hw factor: g where the head fired, else 0. The
+    # only [B, S, c, W] array of the backward (the logits are not kept).
+    m = jnp.where(jnp.einsum("bshd,bwd->bshw", q, keys) > 0, g[:, :, None, :], 0.0)
+    mk = jnp.einsum("bshw,bwd->bshd", m, keys)
+    # sum_w m * logits = q . (m @ K): the same double sum over (w, d), reordered.
+    dhw = jnp.sum(q * mk, axis=-1)
+    dq = mk * hw[..., None]
+    # dK[w] = sum_{s,h} m[s,h,w] hw[s,h] q[s,h]: contract the (s, h) rows of m as they lie.
+    qh = (q * hw[..., None]).reshape(b, s * c, d)
+    dk = jax.lax.dot_general(qh, m.reshape(b, s * c, -1), (((1,), (1,)), ((0,), (0,))))
+    return dq, jnp.swapaxes(dk, 1, 2), dhw
+
+
+_head_contribution.defvjp(_head_contribution_fwd, _head_contribution_bwd)
 
 
 def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide):
@@ -60,7 +89,7 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide):
     keys_wide = keys.astype(wide)
     if chunk == 0:
         q = _queries(q_latent, wq_b, position_ids, heads, cfg, wide)
-        acc = _head_contribution(q, keys_wide, hw)
+        acc = _head_contribution(q.astype(wide), keys_wide, hw)
     else:
 
         @jax.checkpoint
@@ -68,7 +97,7 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide):
             wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * di), chunk * di, axis=1)
             q = _queries(q_latent, wq, position_ids, chunk, cfg, wide)
             hw_c = jax.lax.dynamic_slice_in_dim(hw, i * chunk, chunk, axis=2)
-            return acc + _head_contribution(q, keys_wide, hw_c), None
+            return acc + _head_contribution(q.astype(wide), keys_wide, hw_c), None
 
         b, s, _ = q_latent.shape
         acc0 = jnp.zeros((b, s, keys.shape[1]), wide)

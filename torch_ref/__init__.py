@@ -3,7 +3,7 @@
 See SPEC.md §5-8 for the math and docs/API.md for the protocol. Knows nothing of JAX.
 """
 
-from .config import DTYPES, CSAConfig, resolve_dtype, validate_inputs
+from .config import DTYPES, CSAConfig, resolve_dtype, validate_inputs, validate_params
 from .reference import indexer_forward, indexer_loss, indexer_loss_and_grads
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "indexer_loss_and_grads",
     "resolve_dtype",
     "validate_inputs",
+    "validate_params",
 ]

@@ -143,39 +143,41 @@ PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm",
 def _as_tensor(v: Any) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v.detach()
-    return torch.as_tensor(np.asarray(v))
+    a = np.asarray(v)
+    if a.dtype.name == "bfloat16":  # an ml_dtypes array: torch cannot read it directly
+        a = a.astype(np.float32)
+    return torch.as_tensor(a)
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _fmt_dims(symbols: list[str], values: list[Any]) -> str:
-    return f"[{', '.join(symbols)}] = [{', '.join(str(v) for v in values)}]"
+def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.nonzero(mask)[0])
 
 
-def _check_array(label: str, t: torch.Tensor, symbols: list[str], values: list[Any],
-                 kind: str) -> None:
-    """Shape (rank and sizes), dtype kind ('float' / 'int'), finiteness."""
+def _check_shape(label: str, t: torch.Tensor, symbols: list[str], values: list[int]) -> None:
     shape = tuple(int(s) for s in t.shape)
-    if len(shape) != len(values) or any(
-        isinstance(v, int) and s != v for s, v in zip(shape, values)
-    ):
-        raise ValueError(f"{label} has shape {shape}; expected {_fmt_dims(symbols, values)}")
-    if kind == "float":
-        if not t.dtype.is_floating_point:
-            raise ValueError(f"{label} has dtype {_dtype_name(t)}; expected a floating dtype")
-        bad = ~torch.isfinite(t)
-        if bool(bad.any()):
-            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-            raise ValueError(f"{label} contains NaN/Inf at index {idx}")
-    else:
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"{label} has dtype {_dtype_name(t)}; expected an integer dtype")
+    if shape != tuple(values):
+        raise ValueError(f"{label} has shape {shape}; expected [{', '.join(symbols)}] = "
+                         f"[{', '.join(str(v) for v in values)}]")
+
+
+def _check_float(label: str, t: torch.Tensor) -> None:
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{label} has dtype {_dtype_name(t)}; expected a floating dtype")
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise ValueError(f"{label} contains NaN/Inf at index {_first_index(bad)}")
+
+
+def _is_integer_dtype(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
 def validate_params(params: Mapping[str, Any], cfg: CSAConfig) -> None:
-    """Every canonical parameter present, floating, shaped per SPEC §3, finite."""
+    """Each canonical parameter in turn: present, shaped per SPEC §3, floating, finite."""
     E, R, HI, DI, m = (cfg.emb_dim, cfg.q_lora_rank, cfg.index_n_heads,
                        cfg.index_head_dim, cfg.compress_ratio)
     expected = {
@@ -189,68 +191,77 @@ def validate_params(params: Mapping[str, Any], cfg: CSAConfig) -> None:
     for name in PARAM_NAMES:
         if name not in params:
             raise ValueError(f"missing param {name!r}")
-        symbols, values = expected[name]
-        _check_array(f"params[{name!r}]", _as_tensor(params[name]), symbols, values, "float")
+        t = _as_tensor(params[name])
+        _check_shape(f"params[{name!r}]", t, *expected[name])
+        _check_float(f"params[{name!r}]", t)
 
 
 def validate_selection(selection: Any, B: int, S: int, k_eff: int, W: int) -> None:
-    """A sparse-loss selection: [B, S, k_eff] integer indices in [-1, W)."""
+    """A sparse-loss selection: integer [B, S, k_eff], values in [-1, W)."""
     t = _as_tensor(selection)
-    _check_array("selection", t, ["B", "S", "k_eff"], [B, S, k_eff], "int")
+    shape = tuple(int(d) for d in t.shape)
+    if shape != (B, S, k_eff) or not _is_integer_dtype(t):
+        raise ValueError(f"selection has shape {shape} and dtype {_dtype_name(t)}; "
+                         f"expected integer [B, S, k_eff] = [{B}, {S}, {k_eff}]")
     bad = (t < -1) | (t >= W)
     if bool(bad.any()):
-        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        idx = _first_index(bad)
         raise ValueError(
             f"selection has value {int(t[idx])} at index {idx}; expected -1 <= value < W = {W}"
         )
 
 
-def validate_inputs(inputs: Mapping[str, Any], cfg: CSAConfig,
-                    params: Mapping[str, Any] | None = None, *,
+def validate_inputs(inputs: Mapping[str, Any], cfg: CSAConfig, *,
                     require_teacher: bool = True) -> None:
-    """Check the inputs (SPEC §4), then the params when given (SPEC §3).
+    """Check the inputs of SPEC §4; the first problem raises ValueError.
 
-    Inputs are checked in SPEC §4 order; for each: present, shape, dtype kind,
-    finiteness; the position/segment monotonicity check follows segment_ids.
-    B and S come from hidden_states. The teacher inputs are required only when
-    `require_teacher` (the loss); when present they are always checked.
-    Raises ValueError with the first problem found.
+    Phases, each over the inputs in a fixed order: presence (hidden_states,
+    q_latent, teacher_query, teacher_kv, position_ids, segment_ids); the rank
+    of hidden_states, which gives B and S; shapes (SPEC §4 order); float
+    inputs floating and finite; position/segment ids of an integer dtype;
+    positions >= 0; positions never decreasing inside a document. The teacher
+    inputs are required only when `require_teacher` (the loss); when present
+    they are always checked.
     """
     E, R, H, D, m = (cfg.emb_dim, cfg.q_lora_rank, cfg.num_query_heads,
                      cfg.head_dim, cfg.compress_ratio)
-    B: Any = "B"
-    S: Any = "S"
-    tensors: dict[str, torch.Tensor] = {}
-    for name in INPUT_NAMES:
-        if name not in inputs:
-            if name in TEACHER_INPUTS and not require_teacher:
-                continue
+    for name in (*_FLOAT_INPUTS, *_INT_INPUTS):
+        if name not in inputs and (require_teacher or name not in TEACHER_INPUTS):
             raise ValueError(f"missing input {name!r}")
-        t = _as_tensor(inputs[name])
-        label = f"inputs[{name!r}]"
-        if name == "hidden_states":
-            if t.ndim >= 2:
-                B, S = int(t.shape[0]), int(t.shape[1])
-            _check_array(label, t, ["B", "S", "emb_dim"], [B, S, E], "float")
-        elif name == "q_latent":
-            _check_array(label, t, ["B", "S", "q_lora_rank"], [B, S, R], "float")
-        elif name in _INT_INPUTS:
-            _check_array(label, t, ["B", "S"], [B, S], "int")
-        elif name == "teacher_query":
-            _check_array(label, t, ["B", "S", "num_query_heads", "head_dim"],
-                         [B, S, H, D], "float")
-        elif name == "teacher_kv":
-            _check_array(label, t, ["B", "W", "head_dim"], [B, S // m, D], "float")
-        tensors[name] = t
-        if name == "segment_ids":
-            pos = tensors["position_ids"].to(torch.int64)
-            seg = t.to(torch.int64)
-            bad = (pos[:, 1:] < pos[:, :-1]) & (seg[:, 1:] == seg[:, :-1])
-            if bool(bad.any()):
-                b, s1 = (int(i) for i in torch.nonzero(bad)[0])
-                raise ValueError(
-                    f"inputs['position_ids'] decreases inside a document at (b, s)=({b}, {s1 + 1}): "
-                    f"{int(pos[b, s1])} -> {int(pos[b, s1 + 1])}"
-                )
-    if params is not None:
-        validate_params(params, cfg)
+    t = {name: _as_tensor(inputs[name]) for name in INPUT_NAMES if name in inputs}
+    hs = t["hidden_states"]
+    if hs.ndim != 3:
+        raise ValueError(f"inputs['hidden_states'] has shape {tuple(int(d) for d in hs.shape)}; "
+                         "expected [B, S, emb_dim] (rank 3)")
+    B, S = int(hs.shape[0]), int(hs.shape[1])
+    expected = {
+        "hidden_states": (["B", "S", "emb_dim"], [B, S, E]),
+        "q_latent": (["B", "S", "q_lora_rank"], [B, S, R]),
+        "position_ids": (["B", "S"], [B, S]),
+        "segment_ids": (["B", "S"], [B, S]),
+        "teacher_query": (["B", "S", "num_query_heads", "head_dim"], [B, S, H, D]),
+        "teacher_kv": (["B", "W", "head_dim"], [B, S // m, D]),
+    }
+    for name in INPUT_NAMES:
+        if name in t:
+            _check_shape(f"inputs[{name!r}]", t[name], *expected[name])
+    for name in _FLOAT_INPUTS:
+        if name in t:
+            _check_float(f"inputs[{name!r}]", t[name])
+    for name in _INT_INPUTS:
+        if not _is_integer_dtype(t[name]):
+            raise ValueError(f"inputs[{name!r}] has dtype {_dtype_name(t[name])}; "
+                             "expected an integer dtype")
+    pos = t["position_ids"].to(torch.int64)
+    seg = t["segment_ids"].to(torch.int64)
+    if bool((pos < 0).any()):
+        where = _first_index(pos < 0)
+        raise ValueError(f"inputs['position_ids'] has a negative position {int(pos[where])} "
+                         f"at (b, s)={where}")
+    drops = (pos[:, 1:] < pos[:, :-1]) & (seg[:, 1:] == seg[:, :-1])
+    if bool(drops.any()):
+        b, s = _first_index(drops)
+        raise ValueError(
+            "inputs['position_ids'] decreases inside a document at "
+            f"(b, s)=({b}, {s + 1}): {int(pos[b, s])} -> {int(pos[b, s + 1])}"
+        )

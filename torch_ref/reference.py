@@ -18,9 +18,11 @@ import torch
 
 from .config import (
     PARAM_NAMES,
+    _as_tensor,
     CSAConfig,
     resolve_dtype,
     validate_inputs,
+    validate_params,
     validate_selection,
 )
 
@@ -30,15 +32,11 @@ EPS = 1e-8
 
 def _to_wide(v: Any, wide: torch.dtype) -> torch.Tensor:
     """numpy array or tensor -> a fresh wide-dtype leaf tensor (no grad yet)."""
-    if isinstance(v, torch.Tensor):
-        return v.detach().to(wide).clone()
-    return torch.as_tensor(v).to(wide).clone()
+    return _as_tensor(v).to(wide).clone()
 
 
 def _to_long(v: Any) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v.detach().to(torch.int64)
-    return torch.as_tensor(v).to(torch.int64)
+    return _as_tensor(v).to(torch.int64)
 
 
 # --------------------------------------------------------------------------- §6 RoPE
@@ -110,8 +108,8 @@ def compress(x, p, pos, cfg: CSAConfig, dtype, wide) -> torch.Tensor:
 
     # 5. RMSNorm wide, then cast to dtype.
     kv_norm = p["indexer.kv_norm"].to(dtype).to(wide)
-    normed = kv_norm * (pooled / torch.sqrt(torch.mean(pooled * pooled, dim=-1, keepdim=True)
-                                            + cfg.norm_eps))
+    mean_square = torch.mean(pooled * pooled, dim=-1, keepdim=True)
+    normed = kv_norm * pooled / torch.sqrt(mean_square + cfg.norm_eps)
     normed = normed.to(dtype)
 
     # 6. RoPE at the block position.
@@ -203,8 +201,9 @@ def kl_loss(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None) -> torch.
 
 
 def _prepare(params, inputs, cfg, dtype_name, *, teacher: bool):
-    validate_inputs(inputs, cfg, params=params, require_teacher=teacher)
     dtype, wide = resolve_dtype(dtype_name)
+    validate_params(params, cfg)
+    validate_inputs(inputs, cfg, require_teacher=teacher)
     p = {name: _to_wide(params[name], wide).requires_grad_(True) for name in PARAM_NAMES}
     # Wide-dtype copies of the float inputs that *could* receive a gradient: the
     # stop-gradient below is what keeps it at zero, and the tests check that.
@@ -244,7 +243,7 @@ def _loss(p, leaves, pos, seg, cfg, dtype_t, wide, selection):
 def _selection(selection, cfg, inputs):
     if selection is None or not cfg.sparse_loss:
         return None
-    B, S = (int(d) for d in torch.as_tensor(inputs["position_ids"]).shape)
+    B, S = (int(d) for d in _as_tensor(inputs["position_ids"]).shape)
     W = S // cfg.compress_ratio
     validate_selection(selection, B, S, min(cfg.index_topk, W), W)
     return _to_long(selection)

@@ -1,0 +1,1 @@
+"""csa-parity harness: fixtures, implementations, comparators, the parity matrix and its reports."""

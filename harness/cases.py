@@ -1,0 +1,290 @@
+"""The case catalogue: one entry per fixture, as data (a new case is a new entry, not new code).
+
+Each `Case` names what it exercises, holds the full config dict (every
+`CSAConfig` field, defaults written out, chunks 0, `sparse_loss` False: the
+harness flips those per matrix point), the batch and sequence sizes, the seed,
+and the layout knobs `make_inputs` reads:
+
+- `documents`: per row, the lengths of the packed documents (positions restart
+  at 0 and the segment id changes at each start). `None`: one document per row.
+- `tied_blocks`: per row, one label per compressed block; blocks that share a
+  label get bit-identical hidden states and teacher keys, and the a-slot gate
+  is pushed to -1e4 (its softmax weight is then exactly 0 in every dtype) so
+  that each block's key depends on its own tokens only. With `rope_head_dim=0`
+  the compressed keys of twin blocks are then bit-identical, their scores tie
+  exactly, and the tie sits on the top-k boundary (see the `ties` entry).
+
+`make_inputs(case)` is pure numpy, deterministic from
+`np.random.default_rng(case.seed)`: the same case gives the same bytes on every
+run and platform (numpy's PCG64 + standard_normal are platform-independent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import numpy as np
+
+# Every CSAConfig field in declaration order, with its default (None = required).
+CONFIG_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("emb_dim", None),
+    ("q_lora_rank", None),
+    ("index_n_heads", None),
+    ("index_head_dim", None),
+    ("rope_head_dim", None),
+    ("compress_ratio", None),
+    ("index_topk", None),
+    ("num_query_heads", None),
+    ("head_dim", None),
+    ("rope_theta", 160000.0),
+    ("norm_eps", 1e-6),
+    ("indexer_head_chunk", 0),
+    ("loss_head_chunk", 0),
+    ("sparse_loss", False),
+    ("loss_scale", 1.0),
+)
+
+INPUT_NAMES = ("hidden_states", "q_latent", "position_ids", "segment_ids",
+               "teacher_query", "teacher_kv")
+PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm",
+               "indexer.wq_b", "indexer.weights_proj")
+
+# The a-slot gate offset of `tied_blocks` cases: exp(-1e4 + O(10)) is exactly 0
+# in float64 (underflow below about -745), so the a-slots carry weight 0.
+ISOLATE_GATE = -1.0e4
+
+
+def full_config(**fields: Any) -> dict[str, Any]:
+    """A config dict with every field, in declaration order, defaults filled in."""
+    unknown = set(fields) - {n for n, _ in CONFIG_FIELDS}
+    if unknown:
+        raise ValueError(f"unknown config field(s) {sorted(unknown)}")
+    out = {}
+    for name, default in CONFIG_FIELDS:
+        if name in fields:
+            out[name] = fields[name]
+        elif default is None:
+            raise ValueError(f"missing config field {name!r}")
+        else:
+            out[name] = default
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    config: Mapping[str, Any]
+    batch: int
+    seq_len: int
+    seed: int
+    exercises: str
+    documents: tuple[tuple[int, ...], ...] | None = None
+    tied_blocks: tuple[tuple[str, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config", MappingProxyType(full_config(**dict(self.config))))
+        m = self.config["compress_ratio"]
+        if self.documents is not None:
+            if len(self.documents) != self.batch or any(
+                sum(row) != self.seq_len or min(row) < 1 for row in self.documents
+            ):
+                raise ValueError(f"case {self.name!r}: documents must give {self.batch} rows "
+                                 f"of positive lengths summing to seq_len={self.seq_len}")
+        if self.tied_blocks is not None:
+            if len(self.tied_blocks) != self.batch or any(
+                len(row) != self.num_blocks for row in self.tied_blocks
+            ):
+                raise ValueError(f"case {self.name!r}: tied_blocks must give {self.batch} rows "
+                                 f"of W={self.num_blocks} labels")
+            if self.config["rope_head_dim"] != 0 or self.documents is not None or self.seq_len % m:
+                raise ValueError(f"case {self.name!r}: tied_blocks needs rope_head_dim=0, "
+                                 f"no packing and seq_len a multiple of compress_ratio")
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.config_json()))
+
+    def config_dict(self) -> dict[str, Any]:
+        """A fresh plain dict (what `CSAConfig.from_dict` takes on either side)."""
+        return dict(self.config)
+
+    def config_json(self) -> str:
+        """The config as JSON, fields in declaration order (the form stored in the fixture)."""
+        return json.dumps(dict(self.config))
+
+    @property
+    def num_blocks(self) -> int:
+        """W = S // m."""
+        return self.seq_len // self.config["compress_ratio"]
+
+    @property
+    def k_eff(self) -> int:
+        return min(self.config["index_topk"], self.num_blocks)
+
+    def input_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (shape, numpy dtype name) of every input (SPEC §4)."""
+        c, B, S = self.config, self.batch, self.seq_len
+        return {
+            "hidden_states": ((B, S, c["emb_dim"]), "float32"),
+            "q_latent": ((B, S, c["q_lora_rank"]), "float32"),
+            "position_ids": ((B, S), "int32"),
+            "segment_ids": ((B, S), "int32"),
+            "teacher_query": ((B, S, c["num_query_heads"], c["head_dim"]), "float32"),
+            "teacher_kv": ((B, self.num_blocks, c["head_dim"]), "float32"),
+        }
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """canonical name -> shape of every parameter (SPEC §3; all float32, [in, out])."""
+        c = self.config
+        E, R, HI, DI, m = (c["emb_dim"], c["q_lora_rank"], c["index_n_heads"],
+                           c["index_head_dim"], c["compress_ratio"])
+        return {
+            "indexer.wkv": (E, 2 * DI),
+            "indexer.wgate": (E, 2 * DI),
+            "indexer.ape": (m, 2 * DI),
+            "indexer.kv_norm": (DI,),
+            "indexer.wq_b": (R, HI * DI),
+            "indexer.weights_proj": (E, HI),
+        }
+
+
+def _foundation(**over: Any) -> dict[str, Any]:
+    """The foundation config of issue #1 (E=64, R=32, HI=8, DI=32, DR=16, m=4, k=4, H=8, D=32)."""
+    base = dict(emb_dim=64, q_lora_rank=32, index_n_heads=8, index_head_dim=32, rope_head_dim=16,
+                compress_ratio=4, index_topk=4, num_query_heads=8, head_dim=32)
+    base.update(over)
+    return full_config(**base)
+
+
+_CATALOGUE = (
+    Case("tiny", full_config(emb_dim=16, q_lora_rank=16, index_n_heads=2, index_head_dim=8,
+                             rope_head_dim=4, compress_ratio=4, index_topk=2,
+                             num_query_heads=2, head_dim=8),
+         batch=1, seq_len=16, seed=1001,
+         exercises="the smallest problem with blocks and a top-k boundary: W=4 blocks, k=2, "
+                   "queries with 0..4 valid blocks"),
+    Case("small", _foundation(), batch=2, seq_len=64, seed=1002,
+         exercises="the foundation config (B=2, S=64, E=64, R=32, HI=8, DI=32, DR=16, m=4, k=4, "
+                   "H=8, D=32), unpacked"),
+    Case("packed", _foundation(), batch=2, seq_len=64, seed=1003,
+         documents=((21, 43), (32, 13, 19)),
+         exercises="packed rows of 2 and 3 documents of unequal length: positions restart, "
+                   "segment ids change mid-row, blocks 5 (row 0) and 11 (row 1) straddle a "
+                   "boundary (never valid), row 1's document at token 32 starts on a block "
+                   "edge (no a-slot carry-over from the previous document)"),
+    Case("ragged", _foundation(), batch=2, seq_len=30, seed=1004,
+         exercises="S=30 not a multiple of m=4: W=7, the 2 trailing tokens belong to no block "
+                   "but are queries"),
+    Case("no_blocks", _foundation(), batch=2, seq_len=3, seed=1005,
+         exercises="S=3 < m=4: W=0, every output empty, loss exactly 0, gradients exactly 0"),
+    Case("all_invalid", _foundation(), batch=1, seq_len=8, seed=1006,
+         documents=((3, 3, 2),),
+         exercises="W=2 blocks but every block straddles a document boundary: all scores -inf, "
+                   "every pick -1, no token has a valid block, loss 0 without NaN"),
+    Case("topk_wide", _foundation(index_topk=12), batch=2, seq_len=32, seed=1007,
+         exercises="k=12 >= W=8: k_eff = W, every valid block is picked, sparse loss == dense "
+                   "loss, -1 fills the picks beyond the valid blocks"),
+    Case("ties", _foundation(rope_head_dim=0, index_topk=3), batch=2, seq_len=32, seed=1008,
+         tied_blocks=(("a", "a", "b", "b", "c", "c", "d", "d"),
+                      ("a", "b", "a", "b", "c", "d", "c", "d")),
+         exercises="exact score ties on the top-k boundary: blocks come in twins with "
+                   "bit-identical hidden states (and teacher keys), the a-slot gate is -1e4 and "
+                   "DR=0, so twin keys and scores are bit-identical in every dtype; with k=3 and "
+                   "an even number of valid blocks the 3rd and 4th scores are twins, so which "
+                   "twin is picked is arbitrary (naive index comparison breaks, sets with "
+                   "tie tolerance do not; twin teacher keys make the sparse loss tie-proof)"),
+    Case("flash_dims", full_config(emb_dim=64, q_lora_rank=16, index_n_heads=64,
+                                   index_head_dim=128, rope_head_dim=64, compress_ratio=4,
+                                   index_topk=8, num_query_heads=8, head_dim=128),
+         batch=1, seq_len=64, seed=1009,
+         exercises="the DeepSeek-V4-Flash indexer head shapes (HI=64, DI=128, DR=64, m=4) with "
+                   "E=64 and R=16 shrunk (real 4096 / 1024) to keep the fixture small, k=8 "
+                   "(real 512) so W=16 still has a boundary, teacher H=8, D=128"),
+)
+
+CASES: Mapping[str, Case] = MappingProxyType({c.name: c for c in _CATALOGUE})
+
+
+def get_case(name: str) -> Case:
+    try:
+        return CASES[name]
+    except KeyError:
+        raise ValueError(f"unknown case {name!r} (valid: {', '.join(CASES)})") from None
+
+
+def layout(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(position_ids, segment_ids) as int32 [B, S]: positions restart at 0 per document,
+    segment ids count documents from 1 within each row."""
+    B, S = case.batch, case.seq_len
+    docs = case.documents if case.documents is not None else ((S,),) * B
+    pos = np.zeros((B, S), np.int32)
+    seg = np.zeros((B, S), np.int32)
+    for b, lengths in enumerate(docs):
+        start = 0
+        for i, n in enumerate(lengths):
+            pos[b, start:start + n] = np.arange(n, dtype=np.int32)
+            seg[b, start:start + n] = i + 1
+            start += n
+    return pos, seg
+
+
+def make_inputs(case: Case) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(inputs, params) for a case: float32 / int32 numpy, deterministic from the seed.
+
+    Scales give the scores a spread of order 1: unit-normal hidden states, query
+    latents and teacher keys; fan-in scaled normal weights; a random `ape`;
+    `kv_norm` around 1; `teacher_query` unit-normal times `D**-0.5` (SPEC §4).
+    The draw order is fixed (params first, then inputs) and every tensor is drawn
+    whole, so adding a case never changes another case's bytes.
+    """
+    c = case.config
+    E, R, HI, DI, m = (c["emb_dim"], c["q_lora_rank"], c["index_n_heads"],
+                       c["index_head_dim"], c["compress_ratio"])
+    H, D = c["num_query_heads"], c["head_dim"]
+    B, S, W = case.batch, case.seq_len, case.num_blocks
+    rng = np.random.default_rng(case.seed)
+
+    def normal(shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    params = {
+        "indexer.wkv": normal((E, 2 * DI), E ** -0.5),
+        "indexer.wgate": normal((E, 2 * DI), E ** -0.5),
+        "indexer.ape": normal((m, 2 * DI), 1.0),
+        "indexer.kv_norm": (1.0 + normal((DI,), 0.1)).astype(np.float32),
+        "indexer.wq_b": normal((R, HI * DI), R ** -0.5),
+        "indexer.weights_proj": normal((E, HI), E ** -0.5),
+    }
+    hidden = normal((B, S, E))
+    q_latent = normal((B, S, R))
+    teacher_query = normal((B, S, H, D), D ** -0.5)
+    teacher_kv = normal((B, W, D))
+    pos, seg = layout(case)
+
+    if case.tied_blocks is not None:
+        # Twin blocks: copy the first block of each label over the others (hidden
+        # states and teacher keys), and silence the a-slots of the gate.
+        for b, labels in enumerate(case.tied_blocks):
+            first: dict[str, int] = {}
+            for w, label in enumerate(labels):
+                src = first.setdefault(label, w)
+                if src != w:
+                    hidden[b, w * m:(w + 1) * m] = hidden[b, src * m:(src + 1) * m]
+                    teacher_kv[b, w] = teacher_kv[b, src]
+        params["indexer.ape"][:, :DI] += np.float32(ISOLATE_GATE)
+
+    inputs = {
+        "hidden_states": hidden,
+        "q_latent": q_latent,
+        "position_ids": pos,
+        "segment_ids": seg,
+        "teacher_query": teacher_query,
+        "teacher_kv": teacher_kv,
+    }
+    for name, (shape, dt) in case.input_shapes().items():
+        assert inputs[name].shape == shape and inputs[name].dtype == dt, name
+    for name, shape in case.param_shapes().items():
+        assert params[name].shape == shape and params[name].dtype == np.float32, name
+    return inputs, params

@@ -1,0 +1,217 @@
+"""Comparators of SPEC section 10. They return a CheckResult and never raise on a
+mismatch; `CheckResult.message` explains a failure the way
+`torch.testing.assert_close` does (what, how many, worst where, by how much,
+against which bound), prefixed by the matrix point it belongs to.
+
+All errors are *normalised* so one bound serves tensors of any scale:
+  - arrays: max |x - ref| / max |ref| over the tensor (`scale="tensor"`), or
+    per row of the last axis (`scale="row"`, used for scores: each query's
+    scores are judged against that query's largest score);
+  - scalars: |x - ref| / |ref| (absolute when ref == 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A host numpy array from a numpy / JAX / torch value (bfloat16 widened exactly to float32)."""
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        x = x.detach().cpu()
+        if x.dtype.is_floating_point and x.dtype.itemsize < 4:
+            x = x.float()
+        return x.numpy()
+    arr = np.asarray(x)
+    if arr.dtype.kind == "V" or arr.dtype.name in ("bfloat16", "float16"):
+        arr = arr.astype(np.float32)
+    return arr
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    check: str  # oracle | exact64 | chunk | topk | pattern | isolation | selection
+    quantity: str
+    passed: bool
+    error: float  # the normalised error observed (for topk: unexcused mismatches)
+    bound: float
+    where: tuple | None = None  # index of the worst element
+    mismatched: int = 0
+    total: int = 0
+    note: str = ""  # extra facts: excused ties, the torch-at-dtype error, ...
+    context: str = ""  # the matrix point, e.g. "small float32 ichunk=2 tchunk=0 sparse"
+    stats: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        if self.bound > 0:
+            return self.error / self.bound
+        return 0.0 if self.error == 0 else math.inf
+
+    @property
+    def message(self) -> str:
+        head = f"[{self.context}] {self.quantity} ({self.check}): "
+        verdict = "ok" if self.passed else "MISMATCH"
+        body = (
+            f"{verdict}: mismatched elements: {self.mismatched} / {self.total} "
+            f"({100.0 * self.mismatched / max(self.total, 1):.1f}%); greatest normalised difference: "
+            f"{self.error:.3g}"
+            + (f" at index {self.where}" if self.where is not None else "")
+            + f" (up to {self.bound:.3g} allowed; ratio {self.ratio:.3g})"
+        )
+        return head + body + (f"; {self.note}" if self.note else "")
+
+    def with_context(self, context: str) -> "CheckResult":
+        return dataclasses.replace(self, context=context)
+
+
+def _nonfinite_problem(check, quantity, x, ref):
+    """A CheckResult if NaN appears or the +-inf patterns differ, else None."""
+    x_nan, r_nan = np.isnan(x), np.isnan(ref)
+    if x_nan.any() or r_nan.any():
+        bad = x_nan | r_nan
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        side = "candidate" if x_nan.any() else "reference"
+        return CheckResult(
+            check, quantity, False, math.inf, 0.0, where, int(bad.sum()), x.size, f"NaN in the {side}"
+        )
+    x_inf, r_inf = np.isinf(x), np.isinf(ref)
+    differ = (x_inf != r_inf) | (x_inf & r_inf & (np.sign(x) != np.sign(ref)))
+    if differ.any():
+        where = tuple(int(i) for i in np.argwhere(differ)[0])
+        return CheckResult(
+            check,
+            quantity,
+            False,
+            math.inf,
+            0.0,
+            where,
+            int(differ.sum()),
+            x.size,
+            f"-inf pattern differs (candidate {x[where]!r}, reference {ref[where]!r})",
+        )
+    return None
+
+
+def normalised_error(x, ref, scale: str = "tensor") -> tuple[float, tuple | None, np.ndarray]:
+    """(max normalised |x - ref|, index of the max, per-element normalised error).
+
+    Non-finite entries (which must coincide; see `_nonfinite_problem`) are ignored.
+    """
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if x.shape != ref.shape:
+        raise ValueError(f"shape mismatch: candidate {x.shape} vs reference {ref.shape}")
+    if x.size == 0:
+        return 0.0, None, np.zeros(x.shape)
+    finite = np.isfinite(ref) & np.isfinite(x)
+    with np.errstate(invalid="ignore"):  # inf - inf where both are -inf: masked out below
+        diff = np.where(finite, np.abs(x - ref), 0.0)
+    mag = np.where(finite, np.abs(ref), 0.0)
+    if x.ndim == 0:
+        denom = np.abs(ref) if ref != 0 else 1.0
+    elif scale == "row":
+        denom = np.max(mag, axis=-1, keepdims=True)
+    else:
+        denom = np.max(mag)
+    denom = np.where(denom > 0, denom, 1.0)
+    err = diff / denom
+    if err.ndim == 0:
+        return float(err), None, err
+    idx = np.unravel_index(int(np.argmax(err)), err.shape)
+    return float(err[idx]), tuple(int(i) for i in idx), err
+
+
+def compare_close(check: str, quantity: str, x, ref, bound: float, scale: str = "tensor", note: str = "") -> CheckResult:
+    """Normalised error of x against ref, judged against `bound`; NaN and -inf patterns first."""
+    x, ref = to_numpy(x).astype(np.float64), to_numpy(ref).astype(np.float64)
+    if x.shape != ref.shape:
+        return CheckResult(check, quantity, False, math.inf, bound, None, x.size, ref.size,
+                           f"shape differs: candidate {x.shape}, reference {ref.shape}")
+    problem = _nonfinite_problem(check, quantity, x, ref)
+    if problem is not None:
+        return dataclasses.replace(problem, bound=bound)
+    error, where, per_elem = normalised_error(x, ref, scale)
+    mismatched = int(np.sum(per_elem > bound))
+    return CheckResult(check, quantity, error <= bound, error, bound, where, mismatched, max(x.size, 1), note)
+
+
+def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: float, floor: float,
+                    scale: str = "tensor") -> CheckResult:
+    """SPEC section 10: err(candidate) <= alpha * max(err(torch at the same dtype), floor)."""
+    t_err, _, _ = normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)
+    bound = alpha * max(t_err, floor)
+    note = f"torch-at-dtype error {t_err:.3g}, floor {floor:.3g}, alpha {alpha:g}"
+    result = compare_close("oracle", quantity, candidate, oracle, bound, scale, note)
+    return dataclasses.replace(result, stats={"torch_error": t_err})
+
+
+def exactly_zero(quantity: str, grads: dict) -> CheckResult:
+    """Input-gradient isolation: every gradient must be exactly 0."""
+    worst, where, count, total, name_at = 0.0, None, 0, 0, ""
+    for name, g in grads.items():
+        g = to_numpy(g).astype(np.float64)
+        total += g.size
+        nz = g != 0
+        count += int(nz.sum())
+        if g.size and np.max(np.abs(g)) > worst:
+            worst = float(np.max(np.abs(g)))
+            where = tuple(int(i) for i in np.unravel_index(int(np.argmax(np.abs(g))), g.shape))
+            name_at = name
+    note = f"worst in d loss / d {name_at}" if count else "all input gradients exactly 0"
+    return CheckResult("isolation", quantity, count == 0, worst, 0.0, where, count, total, note)
+
+
+def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.ndarray | float) -> CheckResult:
+    """Compare top-k selections as sets per query, excusing boundary ties.
+
+    A block picked by one side and not the other is excused only if its oracle
+    score lies within `score_tol` (absolute; scalar or per query [B, S]) of the
+    oracle's k-th picked score. -1 sentinels must agree in number. Returns the
+    number of unexcused differences as `error` (bound 0) and the excused count
+    in `stats["excused"]`.
+    """
+    cand, orc = to_numpy(candidate).astype(np.int64), to_numpy(oracle).astype(np.int64)
+    scores = to_numpy(oracle_scores).astype(np.float64)
+    if cand.shape != orc.shape:
+        return CheckResult("topk", quantity, False, math.inf, 0.0, None, cand.size, orc.size,
+                           f"shape differs: candidate {cand.shape}, oracle {orc.shape}")
+    tol = np.broadcast_to(np.asarray(score_tol, np.float64), cand.shape[:-1])
+    unexcused = excused = 0
+    first_bad, first_note = None, ""
+    queries = cand.reshape(-1, cand.shape[-1]) if cand.size else np.zeros((0, 0), np.int64)
+    orcs = orc.reshape(queries.shape)
+    rows = scores.reshape(-1, scores.shape[-1]) if cand.size else scores
+    flat_tol = tol.reshape(-1)
+    for q in range(queries.shape[0]):
+        a = set(int(i) for i in queries[q] if i >= 0)
+        o = set(int(i) for i in orcs[q] if i >= 0)
+        if a == o:
+            continue
+        bad_here = 0
+        if len(a) != len(o) or any(i >= rows.shape[-1] for i in a):
+            bad_here = max(len(a ^ o), 1)
+        else:
+            kth = min(rows[q, i] for i in o)
+            for i in a ^ o:
+                s = rows[q, i]
+                if np.isfinite(s) and abs(s - kth) <= flat_tol[q]:
+                    excused += 1
+                else:
+                    bad_here += 1
+        if bad_here:
+            unexcused += bad_here
+            if first_bad is None:
+                first_bad = tuple(int(i) for i in np.unravel_index(q, cand.shape[:-1]))
+                first_note = f"candidate picks {sorted(a)}, oracle picks {sorted(o)}"
+    note = f"{excused} boundary-tie differences excused"
+    if first_note:
+        note = f"{first_note}; {note}"
+    n_queries = queries.shape[0]
+    return CheckResult("topk", quantity, unexcused == 0, float(unexcused), 0.0, first_bad,
+                       unexcused, n_queries, note, stats={"excused": excused})
