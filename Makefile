@@ -15,11 +15,25 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# The main job: the parity matrix on the committed fixtures; reports in reports/.
 parity: $(STAMP)
 	$(BIN)/csa-parity run
 
+# The whole suite: fixtures --check, the test matrix under xdist, then the sharded
+# slice in its own process (it needs 8 simulated devices before JAX starts).
 test: $(STAMP)
+	$(BIN)/python scripts/regenerate_fixtures.py --check
 	$(BIN)/python -m pytest -n auto
+	$(BIN)/python -m pytest tests/sharded -n 0 -m sharded
+
+check-fixtures: $(STAMP)
+	$(BIN)/python scripts/regenerate_fixtures.py --check
+
+regenerate-fixtures: $(STAMP)
+	$(BIN)/python scripts/regenerate_fixtures.py
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.memory_speed
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

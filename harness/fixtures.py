@@ -344,16 +344,16 @@ def case_metadata(case: Case) -> dict[str, str]:
     }
 
 
-def build_case_tensors(case: Case) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) of a case's file: inputs and params from `make_inputs`, goldens
-    from `torch_ref` (the only place goldens are computed). bfloat16 keys are returned as
-    ml_dtypes.bfloat16 arrays (exact)."""
+def torch_goldens(inputs: Mapping[str, np.ndarray], params: Mapping[str, np.ndarray],
+                  config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Every `golden.<dtype>.<quantity>` of SPEC section 9, computed by torch_ref on these
+    inputs and params (the only place torch results are made: fixtures and the harness's
+    live reference both come here). bfloat16 keys are ml_dtypes.bfloat16 arrays (exact)."""
     import ml_dtypes
     import torch
     import torch_ref
 
-    inputs, params = make_inputs(case)
-    cfg = {k: case.config[k] for k in case.config}
+    cfg = dict(config)
     dense = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": False})
     sparse = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": True})
 
@@ -363,7 +363,7 @@ def build_case_tensors(case: Case) -> tuple[dict[str, np.ndarray], dict[str, str
             return t.float().numpy().astype(ml_dtypes.bfloat16)
         return t.numpy().copy()
 
-    tensors: dict[str, np.ndarray] = {**inputs, **params}
+    tensors: dict[str, np.ndarray] = {}
     with _deterministic_torch():
         oracle_topk = None
         for dt in GOLDEN_DTYPES:
@@ -383,7 +383,16 @@ def build_case_tensors(case: Case) -> tuple[dict[str, np.ndarray], dict[str, str
                 tensors[g + f"loss.{mode}"] = np_of(loss).reshape(())
                 for p in PARAM_NAMES:
                     tensors[g + f"grad.{mode}.{p}"] = np_of(grads[p])
-        metadata = {**case_metadata(case), **_versions()}
+    return tensors
+
+
+def build_case_tensors(case: Case) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of a case's file: inputs and params from `make_inputs`, goldens
+    from `torch_goldens`."""
+    inputs, params = make_inputs(case)
+    tensors: dict[str, np.ndarray] = {**inputs, **params}
+    tensors.update(torch_goldens(inputs, params, case.config))
+    metadata = {**case_metadata(case), **_versions()}
     # The schema is the contract: fail here, at generation, if the reference drifts from it.
     schema = tensor_schema(case)
     if set(tensors) != set(schema):

@@ -4,7 +4,7 @@ Pure functions carry the math (pooling, rope, scoring, loss); `CSAIndexer` is a
 thin nnx.Module holding the six parameters. No torch here.
 """
 
-from .api import indexer_forward, indexer_loss, indexer_loss_and_grads
+from .api import indexer_forward, indexer_loss, indexer_loss_and_grads, indexer_parity_bundle
 from .config import DTYPES, CSAConfig, resolve_dtype
 from .module import CSAIndexer
 from .validate import PARAM_NAMES, validate_inputs, validate_params
@@ -17,6 +17,7 @@ __all__ = [
     "indexer_forward",
     "indexer_loss",
     "indexer_loss_and_grads",
+    "indexer_parity_bundle",
     "resolve_dtype",
     "validate_inputs",
     "validate_params",

@@ -7,6 +7,7 @@ dtype name static, compiled once per (config, dtype, shapes).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -83,12 +84,17 @@ def _prepare(params, inputs, cfg, dtype, selection=None):
 
 def _check_selection(selection, inputs, cfg):
     b, s = np.shape(inputs["position_ids"])
-    expected = (b, s, min(cfg.index_topk, cfg.num_blocks(s)))
+    w = cfg.num_blocks(s)
+    expected = (b, s, min(cfg.index_topk, w))
     sel = np.asarray(selection)
     if sel.shape != expected or not np.issubdtype(sel.dtype, np.integer):
         raise ValueError(
             f"selection has shape {sel.shape} and dtype {sel.dtype}; expected integer [B, S, k_eff] = {list(expected)}"
         )
+    out_of_range = (sel < -1) | (sel >= w)
+    if out_of_range.any():
+        idx = tuple(int(i) for i in np.argwhere(out_of_range)[0])
+        raise ValueError(f"selection has value {int(sel[idx])} at index {idx}; expected -1 <= value < W = {w}")
     return jnp.asarray(sel, jnp.int32)
 
 
@@ -108,3 +114,50 @@ def indexer_loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection
     """(loss, gradients of the six parameters, gradients of the four float inputs)."""
     args = _prepare(params, inputs, cfg, dtype, selection)
     return _loss_and_grads_jit(*args, cfg, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))
+def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
+    """The forward once, the three loss heads, and ONE backward pass through the indexer
+    batched over the three loss cotangents (chain rule: d loss / d params = J^T d loss / d scores,
+    J the Jacobian of the masked scores). A third of the program of three jax.grad calls."""
+    dtype, wide = resolve_dtype(dtype_name)
+
+    def scores_fn(params, float_inputs):
+        keys, masked, valid, topk = _forward_core(params, {**float_inputs, **int_inputs}, cfg, dtype_name)
+        return masked, (keys, valid, topk)
+
+    masked, pullback, (keys, valid, topk) = jax.vjp(scores_fn, params, float_inputs, has_aux=True)
+    out = {"forward": {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}}
+    modes = {"dense": (False, None), "sparse": (True, None), "sparse_at_selection": (True, selection)}
+    losses, score_cts, teacher_cts = {}, [], []
+    for mode, (sparse, sel) in modes.items():
+        c = dataclasses.replace(cfg, sparse_loss=sparse)
+
+        def head(scores, tq, tkv, c=c, sel=sel):
+            return kl_loss(scores, valid, topk, tq, tkv, c, dtype, wide, sel)
+
+        loss, cts = jax.value_and_grad(head, argnums=(0, 1, 2))(
+            masked, float_inputs["teacher_query"], float_inputs["teacher_kv"]
+        )
+        losses[mode] = loss
+        score_cts.append(cts[0])
+        teacher_cts.append(cts[1:])
+    param_grads, input_grads = jax.vmap(pullback)(jnp.stack(score_cts))
+    for i, mode in enumerate(modes):
+        pg = {k: v[i] for k, v in param_grads.items()}
+        ig = {k: v[i] for k, v in input_grads.items()}
+        ig["teacher_query"] = ig["teacher_query"] + teacher_cts[i][0]
+        ig["teacher_kv"] = ig["teacher_kv"] + teacher_cts[i][1]
+        out[mode] = (losses[mode], pg, ig)
+    return out
+
+
+def indexer_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, selection):
+    """Everything the parity matrix asks of one (config, dtype), in ONE compiled program:
+    {"forward": indexer_forward's dict, "dense" | "sparse" | "sparse_at_selection":
+    (loss, param_grads, input_grads)}, the last with `selection` imposed. `cfg.sparse_loss`
+    is ignored (all modes are computed). An optional extension of the protocol
+    (docs/API.md): it exists to compile once instead of four times per matrix point."""
+    args = _prepare(params, inputs, cfg, dtype, selection)
+    return _bundle_jit(*args, cfg, dtype)

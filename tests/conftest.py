@@ -9,3 +9,15 @@ os.environ.setdefault("JAX_ENABLE_X64", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+
+_SHARDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/sharded needs 8 simulated devices set before JAX starts, so it runs in its own
+    process (`pytest tests/sharded`, see the Makefile); a plain `pytest` leaves it out."""
+    if str(collection_path) != _SHARDED:
+        return None
+    asked = [os.path.abspath(str(a).split("::")[0]) for a in config.args]
+    return None if any(a.startswith(_SHARDED) for a in asked) else True

@@ -82,16 +82,38 @@ def test_jax_matches_torch_on_random_inputs(dtype, bound):
     _assert_agree(j, t, bound, f"jax-vs-torch-{dtype}")
 
 
+def _bundle(params, inputs, cfg, dtype):
+    """`_run`'s quantities from jax_impl.indexer_parity_bundle (one compiled program, not three)."""
+    raw = jax_impl.indexer_parity_bundle(params, inputs, cfg, dtype, np.zeros((2, 64, 4), np.int32))
+    out = {k: to_numpy(v) for k, v in raw["forward"].items()}
+    for mode in ("dense", "sparse"):
+        loss, pg, ig = raw[mode]
+        out[f"loss.{mode}"] = to_numpy(loss)
+        out.update({f"grad.{mode}.{name}": to_numpy(pg[name]) for name in PARAMS})
+        out[f"inputgrad.{mode}"] = {k: to_numpy(v) for k, v in ig.items()}
+    return out
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("knob,heads", [("indexer_head_chunk", "index_n_heads"), ("loss_head_chunk", "num_query_heads")])
 def test_chunked_matches_native_for_every_divisor(knob, heads, dtype):
     jcfg, _ = _cfgs()
     params, inputs = _problem(2, 64, 1)
-    native = _run(jax_impl, params, inputs, jcfg, dtype)
+    native = _bundle(params, inputs, jcfg, dtype)
     n = getattr(jcfg, heads)
     for chunk in [c for c in range(1, n + 1) if n % c == 0]:
-        chunked = _run(jax_impl, params, inputs, dataclasses.replace(jcfg, **{knob: chunk}), dtype)
+        chunked = _bundle(params, inputs, dataclasses.replace(jcfg, **{knob: chunk}), dtype)
         _assert_agree(chunked, native, functools.partial(chunk_bound, dtype), f"{knob}={chunk}-{dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_parity_bundle_matches_the_entry_points(dtype):
+    """The matrix runs the one-program bundle; it must equal the public entry points up to
+    summation order (the chunk bound: both reorder the same wide-dtype sums)."""
+    jcfg, _ = _cfgs(indexer_head_chunk=2, loss_head_chunk=4)
+    params, inputs = _problem(2, 64, 5)
+    _assert_agree(_bundle(params, inputs, jcfg, dtype), _run(jax_impl, params, inputs, jcfg, dtype),
+                  functools.partial(chunk_bound, dtype), f"bundle-{dtype}")
 
 
 @pytest.mark.parametrize("side", [jax_impl, torch_ref], ids=["jax", "torch"])

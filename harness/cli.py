@@ -1,0 +1,212 @@
+"""`csa-parity`: the main job (`run`) and the fixture tools (`fixtures`).
+
+User errors (an unknown case, a chunk that does not divide the heads, a plug-in
+that cannot be loaded, an unwritable report directory, a damaged fixture) exit
+with status 2 and one line on stderr, never a traceback. Parity failures exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import multiprocessing
+import os
+import sys
+import time
+
+
+def _csv(kind):
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if kind is int:
+            try:
+                return [int(x) for x in items]
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        return items
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import fixtures
+
+    p = argparse.ArgumentParser(prog="csa-parity", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the parity matrix and write reports (the main job)")
+    run.add_argument("--cases", type=_csv(str), help="comma-separated case names (default: all)")
+    run.add_argument("--dtypes", type=_csv(str), help="float32,bfloat16,float16,float64 (default: all)")
+    run.add_argument("--ichunks", type=_csv(int), help="indexer chunk sizes (default: the sampled set)")
+    run.add_argument("--tchunks", type=_csv(int), help="teacher chunk sizes (default: the sampled set)")
+    run.add_argument("--modes", type=_csv(str), help="forward,dense,sparse (default: all)")
+    run.add_argument("--full", action="store_true", help="the full chunk cross product (slow)")
+    run.add_argument("--impl", default="jax", help="'jax' or a plug-in 'package.module[:factory]'")
+    run.add_argument("--reference", default="live", choices=["live", "goldens"],
+                     help="live torch_ref (default) or the fixture goldens (JAX-only, no torch)")
+    run.add_argument("--precision", default="highest", choices=["highest", "default"],
+                     help="JAX default matmul precision for the run (default: highest)")
+    run.add_argument("--out", default="reports", help="report directory (default: reports)")
+    run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    fx = sub.add_parser("fixtures", help="regenerate or --check the committed fixtures")
+    fixtures.add_arguments(fx)
+    return p
+
+
+def _validate_run_args(args) -> None:
+    from .cases import get_case
+    from .implementations import load_implementation
+    from .matrix import DTYPES, MODES
+    import jax_impl
+
+    for name in args.cases or []:
+        get_case(name)
+    for dt in args.dtypes or []:
+        if dt not in DTYPES:
+            raise ValueError(f"dtype={dt!r} is not supported (valid: {', '.join(DTYPES)})")
+    for mode in args.modes or []:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not supported (valid: {', '.join(MODES)})")
+    from .cases import CASES
+
+    for name in args.cases or list(CASES):
+        base = dict(get_case(name).config)
+        for c in args.ichunks or []:
+            try:
+                jax_impl.CSAConfig.from_dict({**base, "indexer_head_chunk": c})
+            except ValueError as exc:
+                raise ValueError(f"case {name!r}: {exc}") from None
+        for c in args.tchunks or []:
+            try:
+                jax_impl.CSAConfig.from_dict({**base, "loss_head_chunk": c})
+            except ValueError as exc:
+                raise ValueError(f"case {name!r}: {exc}") from None
+    load_implementation(args.impl)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs={args.jobs} must be >= 1")
+    _check_writable(args.out)
+
+
+def _check_writable(out: str) -> None:
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".csa-parity-write-test")
+        with open(probe, "w") as f:
+            f.write("")
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"report directory {out!r} is not writable ({exc.strerror or exc}); choose another with --out") from None
+
+
+def _init_worker(precision: str, fixtures_dir: str | None) -> None:
+    os.environ["JAX_ENABLE_X64"] = "1"
+    if fixtures_dir:
+        os.environ["CSA_PARITY_FIXTURES"] = fixtures_dir
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_default_matmul_precision", precision)
+
+
+def _evaluate_group(entries, reference: str) -> list[dict]:
+    from .checks import evaluate
+    from .report import record
+
+    out = []
+    for entry in entries:
+        out.extend(record(entry, r) for r in evaluate(entry, reference))
+    return out
+
+
+def platform_info(precision: str, reference: str) -> dict:
+    import jax
+
+    dev = jax.devices()[0]
+    info = {
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "jax_version": jax.__version__,
+        "matmul_precision": precision,
+    }
+    if reference == "live":
+        import torch
+
+        info["torch_version"] = torch.__version__
+    return info
+
+
+def run(args) -> int:
+    from .matrix import build_matrix
+    from .report import format_table, summarise, table, write_reports
+
+    _validate_run_args(args)
+    entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.full)
+    if not entries:
+        raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
+    groups: dict[str, list] = {}
+    for e in entries:
+        groups.setdefault(e.point.group, []).append(e)
+    # Big groups first, so the last worker does not start the largest one alone.
+    ordered = sorted(groups.values(), key=len, reverse=True)
+    start = time.time()
+    records: list[dict] = []
+    fixtures_dir = os.environ.get("CSA_PARITY_FIXTURES")
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(entries), unit="entry", desc="parity", file=sys.stderr)
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(ordered)), mp_context=ctx,
+                                initializer=_init_worker, initargs=(args.precision, fixtures_dir)) as pool:
+        futures = {pool.submit(_evaluate_group, g, args.reference): len(g) for g in ordered}
+        for fut in cf.as_completed(futures):
+            records.extend(fut.result())
+            if progress is not None:
+                progress.update(futures[fut])
+    if progress is not None:
+        progress.close()
+    records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["mode"], r["quantity"], r["check"]))
+    _init_worker(args.precision, fixtures_dir)
+    meta = {
+        "impl": args.impl,
+        "reference": args.reference,
+        "platform": platform_info(args.precision, args.reference),
+        "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "modes", "full")},
+        "wall_s": time.time() - start,
+    }
+    paths = write_reports(records, meta, args.out)
+    summary = summarise(records)
+    header, rows = table(records)
+    print(format_table(header, rows))
+    print()
+    print(
+        f"{summary['entries']} entries, {summary['checks']} checks, {summary['failed']} failed "
+        f"in {meta['wall_s']:.1f} s; top-k ties excused: {summary['topk_excused_ties']}; "
+        "worst ratio by dtype: " + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items())
+    )
+    for r in [r for r in records if not r["passed"]][:20]:
+        print("FAIL", r["message"])
+    print(f"reports: {paths['json']}, {paths['md']}, {paths['png']}")
+    return 0 if summary["failed"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return run(args)
+        from . import fixtures
+
+        return fixtures.run_from_args(args)
+    except ValueError as exc:  # config, fixture, implementation, selection and directory errors
+        print(f"csa-parity: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("csa-parity: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Reports of a matrix run: the summary table (stdout and markdown), parity.json and
+the heat map PNG. All of it is built from a list of result records (plain dicts,
+one per check; `record()` makes them), so a report can be rebuilt from the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+
+from .compare import CheckResult
+from .matrix import Entry
+
+JSON_SCHEMA_VERSION = 1
+COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "loss", "grad", "input_grads")
+
+
+def column_of(quantity: str) -> str:
+    return "grad" if quantity.startswith("grad.") else quantity
+
+
+def record(entry: Entry, result: CheckResult) -> dict:
+    p = entry.point
+    ratio = result.ratio
+    return {
+        "id": entry.id,
+        "case": p.case,
+        "dtype": p.dtype,
+        "ichunk": p.ichunk,
+        "tchunk": p.tchunk,
+        "mode": p.mode,
+        "impl": p.impl,
+        "quantity": entry.quantity,
+        "check": result.check,
+        "passed": bool(result.passed),
+        "error": _finite_or_str(result.error),
+        "bound": result.bound,
+        "ratio": _finite_or_str(ratio),
+        "where": list(result.where) if result.where is not None else None,
+        "mismatched": result.mismatched,
+        "total": result.total,
+        "excused_ties": int(result.stats.get("excused", 0)),
+        "note": result.note,
+        "message": result.message,
+    }
+
+
+def _finite_or_str(x: float):
+    return x if math.isfinite(x) else str(x)
+
+
+def _ratio(rec: dict) -> float:
+    r = rec["ratio"]
+    return float(r) if not isinstance(r, str) else math.inf
+
+
+def summarise(records: list[dict]) -> dict:
+    worst_by_dtype: dict[str, float] = {}
+    for rec in records:
+        worst_by_dtype[rec["dtype"]] = max(worst_by_dtype.get(rec["dtype"], 0.0), _ratio(rec))
+    topk = [r for r in records if r["check"] == "topk"]
+    return {
+        "entries": len({r["id"] for r in records}),
+        "checks": len(records),
+        "failed": sum(not r["passed"] for r in records),
+        "failed_entries": len({r["id"] for r in records if not r["passed"]}),
+        "worst_ratio_by_dtype": {k: _finite_or_str(v) for k, v in worst_by_dtype.items()},
+        "topk_excused_ties": sum(r["excused_ties"] for r in topk),
+        "topk_unexcused": sum(r["mismatched"] for r in topk if not r["passed"]),
+        "sparse_end_to_end_excused": sum(1 for r in records if r["check"] == "oracle" and r["excused_ties"]),
+    }
+
+
+def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Rows case x dtype; columns quantity groups; cells 'ok 0.31' / 'FAIL 4.2' (worst ratio)."""
+    cells: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for rec in records:
+        cells[(rec["case"], rec["dtype"])][column_of(rec["quantity"])].append(rec)
+    header = ["case", "dtype", *COLUMNS]
+    rows = []
+    for (case, dtype), cols in cells.items():
+        row = [case, dtype]
+        for col in COLUMNS:
+            recs = cols.get(col)
+            if not recs:
+                row.append("-")
+                continue
+            worst = max(_ratio(r) for r in recs)
+            ok = all(r["passed"] for r in recs)
+            row.append(f"{'ok' if ok else 'FAIL'} {worst:.2g}")
+        rows.append(row)
+    return header, rows
+
+
+def format_table(header: list[str], rows: list[list[str]], markdown: bool = False) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def write_reports(records: list[dict], meta: dict, out_dir: str) -> dict[str, str]:
+    """Write parity.json, parity.md and parity_heatmap.png under out_dir; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    summary = summarise(records)
+    paths = {
+        "json": os.path.join(out_dir, "parity.json"),
+        "md": os.path.join(out_dir, "parity.md"),
+        "png": os.path.join(out_dir, "parity_heatmap.png"),
+    }
+    with open(paths["json"], "w") as f:
+        json.dump({"schema_version": JSON_SCHEMA_VERSION, **meta, "summary": summary, "results": records}, f, indent=1)
+    with open(paths["md"], "w") as f:
+        f.write(markdown(records, meta, summary))
+    heatmap(records, paths["png"])
+    return paths
+
+
+def markdown(records: list[dict], meta: dict, summary: dict) -> str:
+    header, rows = table(records)
+    status = "PASS" if summary["failed"] == 0 else f"FAIL ({summary['failed_entries']} entries)"
+    lines = [
+        f"# csa-parity report: {status}",
+        "",
+        f"- implementation: `{meta.get('impl')}`; reference: `{meta.get('reference')}`; "
+        f"platform: {meta.get('platform', {}).get('backend')} ({meta.get('platform', {}).get('device_kind')}); "
+        f"matmul precision: {meta.get('platform', {}).get('matmul_precision')}",
+        f"- {summary['entries']} matrix entries, {summary['checks']} checks, {summary['failed']} failed; "
+        f"wall time {meta.get('wall_s', 0):.1f} s",
+        f"- top-k: {summary['topk_excused_ties']} set differences excused as boundary ties, "
+        f"{summary['topk_unexcused']} unexcused; sparse end-to-end checks excused for tie flips: "
+        f"{summary['sparse_end_to_end_excused']}",
+        "- worst error/bound ratio per dtype: "
+        + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items()),
+        "",
+        "Cells: `ok`/`FAIL` and the worst ratio error/bound over every check of that column "
+        "(all chunk sizes and modes). A ratio <= 1 passes; `grad` is the worst of the six parameters.",
+        "",
+        format_table(header, rows, markdown=True),
+        "",
+    ]
+    failures = [r for r in records if not r["passed"]]
+    if failures:
+        lines += ["## Failures", ""] + [f"- `{r['id']}`: {r['message']}" for r in failures[:200]]
+        if len(failures) > 200:
+            lines.append(f"- ... and {len(failures) - 200} more (parity.json has all)")
+    lines += ["", "![worst ratio per chunk size and dtype](parity_heatmap.png)", ""]
+    return "\n".join(lines)
+
+
+def heatmap(records: list[dict], path: str) -> None:
+    """Worst error/bound ratio per (chunk sizes x dtype), one panel per quantity column."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    dtypes = sorted({r["dtype"] for r in records}, key=["float64", "float32", "bfloat16", "float16"].index)
+    chunks = sorted({(r["ichunk"], r["tchunk"]) for r in records})
+    labels = [f"i{i}/t{t}" for i, t in chunks]
+    cols = [c for c in COLUMNS if any(column_of(r["quantity"]) == c for r in records)]
+    # Green shades below the bound (ratio <= 1), red above; white: not applicable.
+    edges = [0.0, 1e-3, 1e-2, 0.1, 0.5, 1.0, 2.0, 10.0, 1e300]
+    cmap = ListedColormap(["#1a9850", "#66bd63", "#a6d96a", "#d9ef8b", "#fee08b", "#f46d43", "#d73027", "#a50026"])
+    norm = BoundaryNorm(edges, cmap.N)
+    fig, axes = plt.subplots(1, len(cols), figsize=(1.0 + 2.0 * len(cols), 1.6 + 0.3 * len(chunks)),
+                             squeeze=False, constrained_layout=True)
+    for ax, col in zip(axes[0], cols):
+        grid = np.full((len(chunks), len(dtypes)), np.nan)
+        for r in records:
+            if column_of(r["quantity"]) != col:
+                continue
+            i, j = chunks.index((r["ichunk"], r["tchunk"])), dtypes.index(r["dtype"])
+            v = min(_ratio(r), 1e300)
+            grid[i, j] = v if np.isnan(grid[i, j]) else max(grid[i, j], v)
+        im = ax.imshow(grid, norm=norm, cmap=cmap, aspect="auto")
+        ax.set_title(col, fontsize=9)
+        ax.set_xticks(range(len(dtypes)), [d.replace("float", "f").replace("bf", "bf") for d in dtypes], fontsize=7)
+        ax.set_yticks(range(len(chunks)), labels if ax is axes[0][0] else [""] * len(chunks), fontsize=7)
+        for (i, j), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                text = "0" if v == 0 else ("<.001" if v < 1e-3 else ("inf" if v >= 1e300 else f"{v:.2g}"))
+                ax.text(j, i, text, ha="center", va="center", fontsize=6)
+    axes[0][0].set_ylabel("indexer chunk / teacher chunk", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, ticks=edges[1:-1], label="error / bound")
+    fig.suptitle("csa-parity: worst error/bound per chunk size and dtype (<= 1 passes; white: not applicable)", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
