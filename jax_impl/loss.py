@@ -33,48 +33,60 @@ def _teacher_probs(tq, teacher_kv, additive_mask):
     return jnp.sum(jax.nn.softmax(a, axis=-1), axis=2)
 
 
-def teacher_distribution(teacher_query, teacher_kv, keep, valid_tok, chunk: int):
-    """T [B, S, W] (wide): head-summed teacher softmax, renormalised per row.
+def teacher_head_sum(teacher_query, teacher_kv, keep, chunk: int):
+    """sum over the heads of teacher_query of the masked teacher softmax, [B, S, W] (wide),
+    not yet renormalised: a sum over any subset of the heads (jax_impl.sharded adds the
+    per-device sums over the `model` mesh axis before `normalise_teacher`).
 
-    teacher_query [B, S, H, D] and teacher_kv [B, W, D] are already wide.
+    teacher_query [B, S, h, D] and teacher_kv [B, W, D] are already wide.
     """
     additive_mask = jnp.where(keep, 0.0, MASK).astype(teacher_query.dtype)
     if chunk == 0:
-        t = _teacher_probs(teacher_query, teacher_kv, additive_mask)
-    else:
-        heads = teacher_query.shape[2]
+        return _teacher_probs(teacher_query, teacher_kv, additive_mask)
+    heads = teacher_query.shape[2]
 
-        def body(acc, i):
-            tq = jax.lax.dynamic_slice_in_dim(teacher_query, i * chunk, chunk, axis=2)
-            return acc + _teacher_probs(tq, teacher_kv, additive_mask), None
+    def body(acc, i):
+        tq = jax.lax.dynamic_slice_in_dim(teacher_query, i * chunk, chunk, axis=2)
+        return acc + _teacher_probs(tq, teacher_kv, additive_mask), None
 
-        acc0 = jnp.zeros(keep.shape, teacher_query.dtype)
-        t, _ = jax.lax.scan(body, acc0, jnp.arange(heads // chunk))
+    # Zeros [B, S, W] typed like the body's output (a shard_map scan needs equal carry types).
+    acc0 = jnp.zeros_like(additive_mask * teacher_query[:, :, :1, 0])
+    t, _ = jax.lax.scan(body, acc0, jnp.arange(heads // chunk))
+    return t
+
+
+def normalise_teacher(t, valid_tok):
+    """T: the head sum zeroed on rows with no valid block, renormalised per row."""
     t = jnp.where(valid_tok[..., None], t, 0.0)
     return t / (jnp.sum(t, axis=-1, keepdims=True) + EPS)
 
 
-def kl_loss(masked_scores, valid, topk, teacher_query, teacher_kv, cfg, dtype, wide, selection=None):
-    """Scalar loss in the wide dtype.
+def teacher_distribution(teacher_query, teacher_kv, keep, valid_tok, chunk: int):
+    """T [B, S, W] (wide): head-summed teacher softmax, renormalised per row."""
+    return normalise_teacher(teacher_head_sum(teacher_query, teacher_kv, keep, chunk), valid_tok)
 
-    masked_scores [B, S, W] wide (-inf at invalid blocks), valid [B, S, W] bool,
-    topk [B, S, k_eff] (the indexer's own picks; `selection` overrides them in sparse mode).
-    """
-    b, s, w = masked_scores.shape
-    if w == 0:
-        return jnp.zeros((), wide)
+
+def loss_keep(valid, topk, sparse_loss: bool, selection=None):
+    """(keep [B, S, W], valid_tok [B, S]): the blocks the loss sees (valid, and in sparse mode
+    picked: `selection` overrides the own top-k) and the rows that have any."""
     keep = valid
-    if cfg.sparse_loss:
+    if sparse_loss:
         picks = topk if selection is None else selection
-        keep = valid & selection_mask(picks, w)
-    valid_tok = jnp.any(keep, axis=-1)
+        keep = valid & selection_mask(picks, valid.shape[-1])
+    return keep, jnp.any(keep, axis=-1)
 
+
+def teacher_inputs(teacher_query, teacher_kv, dtype, wide):
+    """The teacher activations rounded to the compute dtype, widened, detached."""
     tq = jax.lax.stop_gradient(round_to(teacher_query, dtype).astype(wide))
     tkv = jax.lax.stop_gradient(round_to(teacher_kv, dtype).astype(wide))
-    t = jax.lax.stop_gradient(teacher_distribution(tq, tkv, keep, valid_tok, cfg.loss_head_chunk))
+    return tq, tkv
 
+
+def kl_per_token(masked_scores, keep, valid_tok, t, sparse_loss: bool):
+    """kl[b, s] = KL(T || softmax(student)) per row, 0 on rows with no valid block."""
     z = masked_scores
-    if cfg.sparse_loss:
+    if sparse_loss:
         z = jnp.where(keep, z, MASK)
     z = jnp.where(valid_tok[..., None], z, 0.0)
     log_p = jnp.where(valid_tok[..., None], jax.nn.log_softmax(z, axis=-1), 0.0)
@@ -85,7 +97,20 @@ def kl_loss(masked_scores, valid, topk, teacher_query, teacher_kv, cfg, dtype, w
     safe_t = jnp.where(positive, t, 1.0)
     safe_log_p = jnp.where(positive, log_p, 0.0)
     terms = jnp.where(positive, safe_t * (jnp.log(safe_t + EPS) - safe_log_p), 0.0)
-    kl = jnp.where(valid_tok, jnp.sum(terms, axis=-1), 0.0)
+    return jnp.where(valid_tok, jnp.sum(terms, axis=-1), 0.0)
+
+
+def kl_loss(masked_scores, valid, topk, teacher_query, teacher_kv, cfg, dtype, wide, selection=None):
+    """Scalar loss in the wide dtype.
+
+    masked_scores [B, S, W] wide (-inf at invalid blocks), valid [B, S, W] bool,
+    topk [B, S, k_eff] (the indexer's own picks; `selection` overrides them in sparse mode).
+    """
+    if masked_scores.shape[-1] == 0:
+        return jnp.zeros((), wide)
+    keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, selection)
+    tq, tkv = teacher_inputs(teacher_query, teacher_kv, dtype, wide)
+    t = jax.lax.stop_gradient(teacher_distribution(tq, tkv, keep, valid_tok, cfg.loss_head_chunk))
+    kl = kl_per_token(masked_scores, keep, valid_tok, t, cfg.sparse_loss)
     count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)
     return cfg.loss_scale * jnp.sum(kl) / count
-

@@ -99,8 +99,9 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide):
             hw_c = jax.lax.dynamic_slice_in_dim(hw, i * chunk, chunk, axis=2)
             return acc + _head_contribution(q.astype(wide), keys_wide, hw_c), None
 
-        b, s, _ = q_latent.shape
-        acc0 = jnp.zeros((b, s, keys.shape[1]), wide)
+        # Zeros [B, S, W] typed like the body's output: under shard_map a scan's carry must
+        # vary over the same mesh axes going in and coming out (jax_impl.sharded); a plain 0.
+        acc0 = jnp.zeros_like(hw[..., :1] * keys_wide[:, None, :, 0])
         acc, _ = jax.lax.scan(body, acc0, jnp.arange(heads // chunk))
     return acc * (di**-0.5)
 
