@@ -34,17 +34,17 @@ def _golden_name(quantity: str, mode: str) -> str:
     return f"loss.{mode}" if quantity == "loss" else f"grad.{mode}.{quantity[len('grad.'):]}"
 
 
-def _versus_oracle(quantity, candidate, oracle, torch_t, dtype, check="oracle") -> CheckResult:
+def _versus_oracle(quantity, candidate, oracle, torch_t, dtype, profile, check="oracle") -> CheckResult:
     if dtype == "float64":
         r = compare_close("exact64", quantity, candidate, oracle, tolerance.EXACT64, _scale(quantity))
     else:
         kind = tolerance.kind_of(quantity)
         r = oracle_relative(quantity, candidate, oracle, torch_t, tolerance.ALPHA[kind],
-                            tolerance.floor(dtype, quantity), _scale(quantity))
+                            tolerance.floor(dtype, quantity, profile), _scale(quantity))
     return dataclasses.replace(r, check=check if dtype != "float64" else f"exact64{check[6:]}")
 
 
-def score_tolerance(ref, dtype: str) -> np.ndarray:
+def score_tolerance(ref, dtype: str, profile: str = "highest") -> np.ndarray:
     """Absolute score tolerance per query [B, S]: the index_scores bound times the row's
     largest |oracle score| (the bound is normalised per row)."""
     oracle = ref["float64"]["index_scores"]
@@ -52,15 +52,15 @@ def score_tolerance(ref, dtype: str) -> np.ndarray:
         bound = tolerance.EXACT64
     else:
         t_err, _, _ = normalised_error(ref[dtype]["index_scores"], oracle, "row")
-        bound = tolerance.ALPHA["fwd"] * max(t_err, tolerance.floor(dtype, "index_scores"))
+        bound = tolerance.ALPHA["fwd"] * max(t_err, tolerance.floor(dtype, "index_scores", profile))
     finite = np.where(np.isfinite(oracle), np.abs(oracle), 0.0)
     return bound * (finite.max(axis=-1) if oracle.shape[-1] else np.zeros(oracle.shape[:-1]))
 
 
-def _topk_results(entry: Entry, ref) -> list[CheckResult]:
+def _topk_results(entry: Entry, ref, profile) -> list[CheckResult]:
     p = entry.point
     oracle = ref["float64"]
-    tol = score_tolerance(ref, p.dtype)
+    tol = score_tolerance(ref, p.dtype, profile)
     cand = runner.forward(p.impl, p.case, p.dtype, p.ichunk)["topk_indices"]
     out = [topk_sets("topk_indices", cand, oracle["topk_indices"], oracle["index_scores"], tol)]
     if p.chunked:
@@ -70,24 +70,24 @@ def _topk_results(entry: Entry, ref) -> list[CheckResult]:
     return out
 
 
-def _forward_results(entry: Entry, ref) -> list[CheckResult]:
+def _forward_results(entry: Entry, ref, profile) -> list[CheckResult]:
     p, q = entry.point, entry.quantity
     if q == "topk_indices":
-        return _topk_results(entry, ref)
+        return _topk_results(entry, ref, profile)
     cand = runner.forward(p.impl, p.case, p.dtype, p.ichunk)[q]
-    out = [_versus_oracle(q, cand, ref["float64"][q], ref[p.dtype][q], p.dtype)]
+    out = [_versus_oracle(q, cand, ref["float64"][q], ref[p.dtype][q], p.dtype, profile)]
     if p.chunked:
         native = runner.forward(p.impl, p.case, p.dtype, 0)[q]
         out.append(compare_close("chunk", q, cand, native, tolerance.chunk_bound(p.dtype, q), _scale(q)))
     return out
 
 
-def _selection_agreement(entry: Entry, ref) -> CheckResult:
+def _selection_agreement(entry: Entry, ref, profile) -> CheckResult:
     """The candidate's own top-k against the oracle's, tie-aware."""
-    return _topk_results(dataclasses.replace(entry, quantity="topk_indices"), ref)[0]
+    return _topk_results(dataclasses.replace(entry, quantity="topk_indices"), ref, profile)[0]
 
 
-def _loss_results(entry: Entry, ref) -> list[CheckResult]:
+def _loss_results(entry: Entry, ref, profile) -> list[CheckResult]:
     p, q = entry.point, entry.quantity
     run = runner.loss_and_grads(p.impl, p.case, p.dtype, p.ichunk, p.tchunk, p.mode)
     if q == "input_grads":
@@ -95,7 +95,7 @@ def _loss_results(entry: Entry, ref) -> list[CheckResult]:
     out = []
     golden = _golden_name(q, p.mode)
     if p.mode == "dense":
-        out.append(_versus_oracle(q, run[q], ref["float64"][golden], ref[p.dtype][golden], p.dtype))
+        out.append(_versus_oracle(q, run[q], ref["float64"][golden], ref[p.dtype][golden], p.dtype, profile))
         if p.chunked:
             native = runner.loss_and_grads(p.impl, p.case, p.dtype, 0, 0, "dense")[q]
             out.append(compare_close("chunk", q, run[q], native, tolerance.chunk_bound(p.dtype, q)))
@@ -106,8 +106,8 @@ def _loss_results(entry: Entry, ref) -> list[CheckResult]:
     sel_golden = _golden_name(q, "sparse_at_oracle")
     oracle_value = ref["float64"][golden]
     baseline = ref[p.dtype][sel_golden]  # torch@t on the oracle's selection: precision noise only
-    out.append(_versus_oracle(q, at_sel[q], oracle_value, baseline, p.dtype, check="oracle@sel"))
-    agreement = _selection_agreement(entry, ref)
+    out.append(_versus_oracle(q, at_sel[q], oracle_value, baseline, p.dtype, profile, check="oracle@sel"))
+    agreement = _selection_agreement(entry, ref, profile)
     if not agreement.passed:
         out.append(dataclasses.replace(agreement, check="oracle", quantity=q,
                                        note="end-to-end selection differs from the oracle's by non-tie picks: "
@@ -118,7 +118,7 @@ def _loss_results(entry: Entry, ref) -> list[CheckResult]:
                                f"end-to-end not comparable: own selection differs from the oracle's by {n} "
                                "boundary ties (excused); judged by oracle@sel", stats={"excused": n}))
     else:
-        out.append(_versus_oracle(q, run[q], oracle_value, baseline, p.dtype))
+        out.append(_versus_oracle(q, run[q], oracle_value, baseline, p.dtype, profile))
     if p.chunked:
         native_sel = runner.loss_and_grads(p.impl, p.case, p.dtype, 0, 0, "sparse_at_oracle")[q]
         bound = tolerance.chunk_bound(p.dtype, q)
@@ -131,11 +131,12 @@ def _loss_results(entry: Entry, ref) -> list[CheckResult]:
     return out
 
 
-def evaluate(entry: Entry, reference: str = "live") -> list[CheckResult]:
-    """Every check of one entry, each carrying the entry's context."""
+def evaluate(entry: Entry, reference: str = "live", profile: str = "highest") -> list[CheckResult]:
+    """Every check of one entry, each carrying the entry's context. `profile` picks the
+    tolerance profile matching the matmul precision the candidate ran at (tolerance.PROFILES)."""
     ref = runner.reference(entry.point.case, reference)
     if entry.point.mode == "forward":
-        results = _forward_results(entry, ref)
+        results = _forward_results(entry, ref, profile)
     else:
-        results = _loss_results(entry, ref)
+        results = _loss_results(entry, ref, profile)
     return [r.with_context(entry.point.label) for r in results]

@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--reference", default="live", choices=["live", "goldens"],
                      help="live torch_ref (default) or the fixture goldens (JAX-only, no torch)")
     run.add_argument("--precision", default="highest", choices=["highest", "default"],
-                     help="JAX default matmul precision for the run (default: highest)")
+                     help="JAX default matmul precision for the run, and the tolerance profile it is "
+                     "judged with (harness/tolerance.py; default: highest)")
     run.add_argument("--out", default="reports", help="report directory (default: reports)")
     run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -108,13 +109,13 @@ def _init_worker(precision: str, fixtures_dir: str | None) -> None:
     jax.config.update("jax_default_matmul_precision", precision)
 
 
-def _evaluate_group(entries, reference: str) -> list[dict]:
+def _evaluate_group(entries, reference: str, profile: str) -> list[dict]:
     from .checks import evaluate
     from .report import record
 
     out = []
     for entry in entries:
-        out.extend(record(entry, r) for r in evaluate(entry, reference))
+        out.extend(record(entry, r) for r in evaluate(entry, reference, profile))
     return out
 
 
@@ -160,7 +161,7 @@ def run(args) -> int:
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(ordered)), mp_context=ctx,
                                 initializer=_init_worker, initargs=(args.precision, fixtures_dir)) as pool:
-        futures = {pool.submit(_evaluate_group, g, args.reference): len(g) for g in ordered}
+        futures = {pool.submit(_evaluate_group, g, args.reference, args.precision): len(g) for g in ordered}
         for fut in cf.as_completed(futures):
             records.extend(fut.result())
             if progress is not None:
@@ -172,6 +173,7 @@ def run(args) -> int:
     meta = {
         "impl": args.impl,
         "reference": args.reference,
+        "tolerance_profile": args.precision,
         "platform": platform_info(args.precision, args.reference),
         "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "modes", "full")},
         "wall_s": time.time() - start,

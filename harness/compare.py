@@ -172,9 +172,9 @@ def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.nda
 
     A block picked by one side and not the other is excused only if its oracle
     score lies within `score_tol` (absolute; scalar or per query [B, S]) of the
-    oracle's k-th picked score. -1 sentinels must agree in number. Returns the
-    number of unexcused differences as `error` (bound 0) and the excused count
-    in `stats["excused"]`.
+    oracle's k-th picked score, and so is the block it replaced. -1 sentinels must
+    agree in number. Returns the number of unexcused swapped picks as `error`
+    (bound 0) and the number of excused ones in `stats["excused"]`.
     """
     cand, orc = to_numpy(candidate).astype(np.int64), to_numpy(oracle).astype(np.int64)
     scores = to_numpy(oracle_scores).astype(np.float64)
@@ -193,17 +193,15 @@ def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.nda
         o = set(int(i) for i in orcs[q] if i >= 0)
         if a == o:
             continue
-        bad_here = 0
-        if len(a) != len(o) or any(i >= rows.shape[-1] for i in a):
-            bad_here = max(len(a ^ o), 1)
-        else:
+        # A swap is excused only if every block on either side of it is tied with the
+        # oracle's k-th score: both the pick that was dropped and the one that replaced it.
+        swapped = max(len(a - o), len(o - a))
+        bad_here = swapped
+        if len(a) == len(o) and all(i < rows.shape[-1] for i in a):
             kth = min(rows[q, i] for i in o)
-            for i in a ^ o:
-                s = rows[q, i]
-                if np.isfinite(s) and abs(s - kth) <= flat_tol[q]:
-                    excused += 1
-                else:
-                    bad_here += 1
+            if all(np.isfinite(rows[q, i]) and abs(rows[q, i] - kth) <= flat_tol[q] for i in a ^ o):
+                excused += swapped
+                bad_here = 0
         if bad_here:
             unexcused += bad_here
             if first_bad is None:

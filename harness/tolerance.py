@@ -47,8 +47,27 @@ FLOOR = {
 }
 
 
-def floor(dtype: str, quantity: str) -> float:
-    return FLOOR[dtype][kind_of(quantity)]
+# --- Precision profiles (issue 7). Parity runs at `highest` matmul precision by
+# default: float32 matmuls are then true float32 on every platform, and the
+# table above applies unchanged. `default` is what a TPU (or a GPU with TF32)
+# does out of the box: XLA:TPU's DEFAULT precision rounds float32 matmul
+# operands to bfloat16 (one pass) and accumulates in float32. Under it a float32
+# run is as accurate as the projections and score products of a bfloat16 run,
+# so the float32 floors rise to the bfloat16 ones; the torch reference (CPU)
+# keeps true float32, so without the raised floor every float32 matmul result
+# would fail. Derived from the bfloat16 rows of the matrix (same operand
+# rounding), to be re-measured on the first TPU run; XLA:CPU ignores the
+# precision setting, so on CPU both profiles compute identical numbers.
+# The `highest` table is never loosened to absorb `default`.
+PROFILES = ("highest", "default")
+_DEFAULT_PROFILE_FLOOR = {**FLOOR, "float32": dict(FLOOR["bfloat16"])}
+
+
+def floor(dtype: str, quantity: str, profile: str = "highest") -> float:
+    if profile not in PROFILES:
+        raise ValueError(f"profile={profile!r} is not supported (valid: {', '.join(PROFILES)})")
+    table = FLOOR if profile == "highest" else _DEFAULT_PROFILE_FLOOR
+    return table[dtype][kind_of(quantity)]
 
 
 # --- float64 JAX vs float64 torch: two implementations of the same formulas in

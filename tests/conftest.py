@@ -21,3 +21,9 @@ def pytest_ignore_collect(collection_path, config):
         return None
     asked = [os.path.abspath(str(a).split("::")[0]) for a in config.args]
     return None if any(a.startswith(_SHARDED) for a in asked) else True
+
+
+# Parity runs at `highest` matmul precision unless a profile is asked for (the TPU job
+# may set CSA_PARITY_PRECISION=default); the matrix judges with the matching profile.
+PRECISION = os.environ.get("CSA_PARITY_PRECISION", "highest")
+jax.config.update("jax_default_matmul_precision", PRECISION)

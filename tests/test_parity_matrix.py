@@ -6,6 +6,8 @@ Entries of one (case, dtype) share an xdist group, so each worker compiles a
 point once and computes the torch reference for a case once.
 Reference: live torch_ref by default; CSA_PARITY_REFERENCE=goldens judges
 against the fixture goldens (the JAX-only mode, no torch needed).
+Precision: CSA_PARITY_PRECISION=highest (default) or default, the JAX matmul
+precision and the tolerance profile (harness/tolerance.py) together.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from harness.checks import evaluate
 from harness.matrix import build_matrix
 
 REFERENCE = os.environ.get("CSA_PARITY_REFERENCE", "live")
+PROFILE = os.environ.get("CSA_PARITY_PRECISION", "highest")  # conftest sets JAX's matmul precision to match
 
 
 def _param(entry):
@@ -29,6 +32,6 @@ def _param(entry):
 
 @pytest.mark.parametrize("entry", [_param(e) for e in build_matrix()])
 def test_parity(entry):
-    results = evaluate(entry, REFERENCE)
+    results = evaluate(entry, REFERENCE, PROFILE)
     failures = [r.message for r in results if not r.passed]
     assert not failures, "\n".join(failures)

@@ -1,0 +1,447 @@
+"""Mutation self-test of the harness (issue #5): does the matrix catch realistic mistakes?
+
+`CATALOGUE` is data: one `Mutant` per single mistake a person could make in
+`jax_impl`, with the exact source text it replaces (which must occur exactly once:
+a stale catalogue fails loudly, it never silently tests nothing), the matrix slice
+that must catch it and the checks expected to do so. The committed source is never
+touched: `run_mutant` copies `jax_impl/` into a temporary directory, applies the
+text patch there, and runs the slice in a subprocess (`python -m
+harness.mutation_worker`) that imports the mutated copy in place of the installed
+package and judges it against the fixture goldens (no torch). `run_clean` runs the
+same machinery on an unmutated copy: every slice must pass there, so a mutant that
+fails does so because of its mutation.
+
+Slices (`Point`s) are chosen for cost: each point is one compiled program (2-4 s on
+2 cores), so a mutant runs 1 point, plus the native program when its point is
+chunked (the `chunk` check compares against it). float64 wherever possible: the
+1e-12 `exact64` check sees any formula error, however small, and bfloat16 noise would
+hide one. The low-dtype accumulation mutant needs a bfloat16 chunked point: its
+damage is a chunk-vs-native difference above the tight `chunk` bound. The removed
+`jax.checkpoint` changes memory, not numbers: the worker's compile-only `memory`
+check (the analytic-floor bound of tests/test_memory.py) kills it.
+
+    python -m harness.mutations              # every mutant, in parallel; prints the kill table
+    python -m harness.mutations --only NAME  # some of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "jax_impl"
+
+STAGES = ("pooling", "rope", "scoring", "chunking", "loss", "precision")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Point:
+    """One matrix point of a slice: every mode and quantity of build_matrix at it."""
+
+    case: str
+    dtype: str
+    ichunk: int = 0
+    tchunk: int = 0
+
+    def spec(self) -> str:
+        return f"{self.case}:{self.dtype}:{self.ichunk}:{self.tchunk}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Point":
+        case, dtype, ichunk, tchunk = text.split(":")
+        return cls(case, dtype, int(ichunk), int(tchunk))
+
+
+# The slices. tiny (B=1, S=16, HI=2, H=2, W=4, k=2) is the cheapest problem with a top-k
+# boundary, queries with 0..4 valid blocks and two heads per knob (chunk 1 = two scan
+# steps); packed is the smallest with documents (a block straddling a boundary, a
+# document starting on a block edge).
+TINY64 = Point("tiny", "float64")
+TINY64_ICHUNK = Point("tiny", "float64", ichunk=1)
+TINY64_TCHUNK = Point("tiny", "float64", tchunk=1)
+PACKED64 = Point("packed", "float64")
+TINY_BF16_ICHUNK = Point("tiny", "bfloat16", ichunk=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """One realistic single mistake, applied as a text patch to a copy of jax_impl/<module>.
+
+    `old` must occur exactly once in the module; `more` holds further (old, new) pairs of
+    the same mistake elsewhere in that module (same rule). `points` is the matrix slice to
+    run; `memory` adds the compile-only memory check. The mutant is killed when any check
+    fails; `killed_by` names the checks expected to do it (at least one must be among
+    the failures)."""
+
+    name: str
+    stage: str
+    module: str
+    old: str
+    new: str
+    killed_by: tuple[str, ...]
+    points: tuple[Point, ...]
+    mistake: str
+    more: tuple[tuple[str, str], ...] = ()
+    memory: bool = False
+
+    @property
+    def edits(self) -> tuple[tuple[str, str], ...]:
+        return ((self.old, self.new), *self.more)
+
+
+CATALOGUE: tuple[Mutant, ...] = (
+    # ---------------------------------------------------------------- pooling (SPEC section 5)
+    Mutant(
+        "pool_slot_halves_swapped", "pooling", "pooling.py",
+        "    kv_a, kv_b = kv[..., :di], kv[..., di:]\n"
+        "    gate_a, gate_b = gate[..., :di].astype(wide), gate[..., di:].astype(wide)\n",
+        "    kv_a, kv_b = kv[..., di:], kv[..., :di]\n"
+        "    gate_a, gate_b = gate[..., di:].astype(wide), gate[..., :di].astype(wide)\n",
+        ("exact64",), (TINY64,),
+        "Ca/Cb swapped: a token's share of the NEXT block read from [DI:] and its own from [:DI] "
+        "(swapping the concatenation order of the slots instead would be harmless: the softmax "
+        "pools a set)",
+    ),
+    Mutant(
+        "pool_softmax_wrong_axis", "pooling", "pooling.py",
+        "    weights = jax.nn.softmax(slots_gate, axis=2)\n",
+        "    weights = jax.nn.softmax(slots_gate)\n",
+        ("exact64",), (TINY64,),
+        "gate softmax over the default last axis (channels) instead of the 2m slots",
+    ),
+    Mutant(
+        "pool_ape_not_added", "pooling", "pooling.py",
+        "    gate = round_to(gate.astype(wide) + ape.astype(wide), x.dtype)",
+        "    gate = round_to(gate.astype(wide), x.dtype)",
+        ("exact64",), (TINY64,),
+        "the absolute position bias `ape` never added to the gate",
+    ),
+    Mutant(
+        "pool_shift_two_blocks", "pooling", "pooling.py",
+        "    kv_prev = jnp.pad(kv_a, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :w]\n"
+        "    gate_prev = jnp.pad(gate_a, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :w]\n",
+        "    kv_prev = jnp.pad(kv_a, ((0, 0), (2, 0), (0, 0), (0, 0)))[:, :w]\n"
+        "    gate_prev = jnp.pad(gate_a, ((0, 0), (2, 0), (0, 0), (0, 0)))[:, :w]\n",
+        ("exact64",), (TINY64,),
+        "the `a` slots shifted by two blocks instead of one: block w pools block w-2's share",
+    ),
+    Mutant(
+        "pool_document_boundary_ignored", "pooling", "pooling.py",
+        "    cont = first[:, 1:] == first[:, :-1] + m\n",
+        "    cont = jnp.ones_like(first[:, 1:], dtype=bool)\n",
+        ("exact64",), (PACKED64,),
+        "block w-1's `a` slots kept across a document boundary (only w = 0 masked)",
+    ),
+    # ---------------------------------------------------------------- RoPE (SPEC section 6)
+    Mutant(
+        "rope_halves_not_interleaved", "rope", "rope.py",
+        "    pairs = rot.reshape(*rot.shape[:-1], half, 2)\n"
+        "    x0, x1 = pairs[..., 0], pairs[..., 1]\n"
+        "    out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)\n",
+        "    x0, x1 = rot[..., :half], rot[..., half:]\n"
+        "    out = jnp.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)\n",
+        ("exact64",), (TINY64,),
+        "NeoX-style rotation: channel i paired with i + DR/2 instead of the pairs (2i, 2i+1)",
+    ),
+    Mutant(
+        "rope_leading_slice", "rope", "rope.py",
+        "    passthrough, rot = xw[..., :keep], xw[..., keep:]\n",
+        "    rot, passthrough = xw[..., :rope_head_dim], xw[..., rope_head_dim:]\n",
+        ("exact64",), (TINY64,),
+        "the leading DR channels rotated instead of the trailing ones",
+        more=(("    return round_to(jnp.concatenate([passthrough, out], axis=-1), dtype)",
+               "    return round_to(jnp.concatenate([out, passthrough], axis=-1), dtype)"),),
+    ),
+    Mutant(
+        "rope_wrong_theta", "rope", "rope.py",
+        "    inv_freq = theta ** (",
+        "    inv_freq = 10000.0 ** (",
+        ("exact64",), (TINY64,),
+        "the Llama default base 10000 hard-coded instead of cfg.rope_theta (160000)",
+    ),
+    Mutant(
+        "rope_block_last_token", "rope", "pooling.py",
+        "    return apply_rope(keys, block_positions(position_ids, m, w),",
+        "    return apply_rope(keys, position_ids[:, m - 1 : w * m : m],",
+        ("exact64",), (TINY64,),
+        "compressed keys rotated at the position of the block's last token, not its first",
+    ),
+    # ---------------------------------------------------------------- scoring (SPEC section 7)
+    Mutant(
+        "score_missing_relu", "scoring", "scoring.py",
+        "    return jnp.sum(hw[..., None] * jax.nn.relu(logits), axis=2)",
+        "    return jnp.sum(hw[..., None] * logits, axis=2)",
+        ("exact64",), (TINY64,),
+        "ReLU of the per-head logits left out",
+    ),
+    Mutant(
+        "score_missing_di_scale", "scoring", "scoring.py",
+        "    return acc * (di**-0.5)",
+        "    return acc",
+        ("exact64",), (TINY64,),
+        "the DI**-0.5 score scale left out",
+    ),
+    Mutant(
+        "score_missing_hi_scale", "scoring", "scoring.py",
+        "    return project(x, weights_proj, wide).astype(wide) * (n_heads**-0.5)",
+        "    return project(x, weights_proj, wide).astype(wide)",
+        ("exact64",), (TINY64,),
+        "the HI**-0.5 head-weight scale left out",
+    ),
+    Mutant(
+        "score_causal_off_by_one", "scoring", "scoring.py",
+        "    causal = first[:, None, :] + m <= position_ids[:, :, None] + 1",
+        "    causal = first[:, None, :] + m <= position_ids[:, :, None]",
+        ("exact64",), (TINY64,),
+        "causal rule off by one: a block ending at the query itself counted as not yet complete",
+    ),
+    Mutant(
+        "score_segment_mask_ignored", "scoring", "scoring.py",
+        "    return causal & same_doc",
+        "    return causal",
+        ("exact64",), (PACKED64,),
+        "the segment mask ignored: packed documents see each other's blocks",
+    ),
+    Mutant(
+        "topk_invalid_pick_kept", "scoring", "scoring.py",
+        "    return jnp.where(picked_valid, idx, -1).astype(jnp.int32)",
+        "    return idx.astype(jnp.int32)",
+        ("topk",), (TINY64,),
+        "an invalid (-inf) top-k pick returned as a block index instead of -1",
+    ),
+    # ---------------------------------------------------------------- chunking (SPEC section 7-8)
+    Mutant(
+        "chunk_indexer_last_dropped", "chunking", "scoring.py",
+        "jax.lax.scan(body, acc0, jnp.arange(heads // chunk))",
+        "jax.lax.scan(body, acc0, jnp.arange(heads // chunk - 1))",
+        ("chunk", "exact64"), (TINY64_ICHUNK,),
+        "the indexer scan runs one step too few: the last head chunk never contributes",
+    ),
+    Mutant(
+        "chunk_teacher_last_twice", "chunking", "loss.py",
+        "jax.lax.scan(body, acc0, jnp.arange(heads // chunk))",
+        "jax.lax.scan(body, acc0, jnp.arange(heads // chunk + 1))",
+        ("chunk", "exact64"), (TINY64_TCHUNK,),
+        "the teacher scan runs one step too many: dynamic_slice clamps, so the last head chunk "
+        "is counted twice",
+    ),
+    Mutant(
+        "chunk_accumulate_low_dtype", "chunking", "scoring.py",
+        "        acc0 = jnp.zeros_like(hw[..., :1] * keys_wide[:, None, :, 0])",
+        "        acc0 = jnp.zeros_like(hw[..., :1] * keys_wide[:, None, :, 0], dtype=keys.dtype)",
+        ("chunk",), (TINY_BF16_ICHUNK,),
+        "the chunked scores accumulated in the compute dtype (bfloat16), not the wide dtype",
+        more=(("            return acc + _head_contribution(q.astype(wide), keys_wide, hw_c), None",
+               "            return (acc + _head_contribution(q.astype(wide), keys_wide, hw_c)).astype(acc.dtype), None"),),
+    ),
+    Mutant(
+        "chunk_scan_without_checkpoint", "chunking", "scoring.py",
+        "        @jax.checkpoint\n        def body(acc, i):",
+        "        def body(acc, i):",
+        ("memory",), (),
+        "the indexer scan body not wrapped in jax.checkpoint: same numbers, but the backward "
+        "keeps every chunk's queries (an all-heads q)",
+        memory=True,
+    ),
+    # ---------------------------------------------------------------- loss (SPEC section 8)
+    Mutant(
+        "loss_eps_misplaced", "loss", "loss.py",
+        "jnp.log(safe_t + EPS)",
+        "jnp.log(safe_t) + EPS",
+        ("exact64",), (TINY64,),
+        "EPS added outside the log of the teacher: shifts the loss by ~1e-8, invisible below float64",
+    ),
+    Mutant(
+        "loss_mean_over_all_tokens", "loss", "loss.py",
+        "    count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)",
+        "    count = jnp.asarray(valid_tok.size, wide)",
+        ("exact64",), (TINY64,),
+        "the loss averaged over all B*S tokens instead of the tokens with a valid block",
+    ),
+    Mutant(
+        "loss_sparse_mask_not_on_teacher", "loss", "loss.py",
+        "teacher_distribution(tq, tkv, keep, valid_tok, cfg.loss_head_chunk)",
+        "teacher_distribution(tq, tkv, valid, valid_tok, cfg.loss_head_chunk)",
+        ("exact64@sel",), (TINY64,),
+        "sparse mode: the teacher softmax spans every valid block, not just the top-k picks",
+    ),
+    Mutant(
+        "loss_missing_stop_gradient", "loss", "api.py",
+        '    q_latent = round_to(jax.lax.stop_gradient(inputs["q_latent"]), dtype)',
+        '    q_latent = round_to(inputs["q_latent"], dtype)',
+        ("isolation",), (TINY64,),
+        "the stop-gradient on the query latent left out: the loss trains the main model's queries",
+    ),
+    # ---------------------------------------------------------------- precision (SPEC section 2)
+    Mutant(
+        "precision_cast_without_rounding", "precision", "precision.py",
+        "    if dtype in _LOW and jnp.finfo(x.dtype).nmant > jnp.finfo(dtype).nmant:\n"
+        "        x = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=jnp.finfo(dtype).nmant)\n",
+        "",
+        ("chunk",), (TINY_BF16_ICHUNK,),
+        "a plain astype for every cast down: XLA keeps excess precision inside fusions, so which "
+        "bfloat16 roundings happen depends on fusion, and chunked and native differ",
+    ),
+)
+
+
+class MutationError(RuntimeError):
+    """A catalogue entry that no longer matches the source, or a worker that did not report."""
+
+
+@dataclasses.dataclass
+class Outcome:
+    name: str
+    passed: bool  # no check failed (a mutant that passes SURVIVED)
+    killing: tuple[str, ...]  # names of the failed checks
+    failed: list[dict]
+    checks: int
+    seconds: float
+    error: str = ""  # the worker crashed (the mutated code raised): reported as check "crash"
+
+
+def patch_copy(mutant: Mutant | None, dst: Path, src: Path | None = None) -> Path:
+    """Copy `src` (default: this checkout's jax_impl) to dst/jax_impl and apply the mutant's
+    edits there. Raises MutationError when an `old` text does not occur exactly once."""
+    src = src or REPO_ROOT / PACKAGE
+    target = Path(dst) / PACKAGE
+    shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if mutant is None:
+        return target
+    path = target / mutant.module
+    if not path.is_file():
+        raise MutationError(f"mutant {mutant.name!r}: {PACKAGE}/{mutant.module} does not exist")
+    text = path.read_text()
+    for old, new in mutant.edits:
+        n = text.count(old)
+        if n != 1:
+            raise MutationError(
+                f"mutant {mutant.name!r}: its `old` text occurs {n} times in {PACKAGE}/{mutant.module} "
+                f"(expected exactly once): the catalogue is stale, update harness/mutations.py: {old!r}")
+        text = text.replace(old, new)
+    path.write_text(text)
+    return target
+
+
+def run_worker(impl_root: Path, points, memory: bool, timeout: float = 600.0) -> dict:
+    """Run harness.mutation_worker on the jax_impl copy under impl_root; its JSON report."""
+    cmd = [sys.executable, "-m", "harness.mutation_worker", "--impl-root", str(impl_root)]
+    for p in points:
+        cmd += ["--point", p.spec()]
+    if memory:
+        cmd.append("--memory")
+    env = dict(os.environ, JAX_ENABLE_X64="1")
+    env.pop("CSA_PARITY_MUTATION_ROOT", None)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise MutationError(f"mutation worker exited {proc.returncode} without a report; stderr tail:\n"
+                            + proc.stderr[-3000:])
+    return json.loads(lines[-1])
+
+
+def _outcome(name: str, report: dict, seconds: float) -> Outcome:
+    failed = report["failed"]
+    killing = tuple(sorted({f["check"] for f in failed}))
+    return Outcome(name, not failed, killing, failed, report["checks"], seconds, report.get("error", ""))
+
+
+def run_mutant(mutant: Mutant) -> Outcome:
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        patch_copy(mutant, Path(tmp))
+        report = run_worker(Path(tmp), mutant.points, mutant.memory)
+    return _outcome(mutant.name, report, time.time() - start)
+
+
+def slices(catalogue=CATALOGUE) -> tuple[tuple[Point, ...], bool]:
+    """Every point and whether any mutant uses the memory check: what the clean run covers."""
+    points = sorted({p for m in catalogue for p in m.points})
+    return tuple(points), any(m.memory for m in catalogue)
+
+
+def run_clean(points, memory: bool) -> Outcome:
+    """The same machinery on an unmutated copy: must pass."""
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="mutant-clean-") as tmp:
+        patch_copy(None, Path(tmp))
+        report = run_worker(Path(tmp), points, memory)
+    return _outcome("clean", report, time.time() - start)
+
+
+def _table(rows) -> str:
+    header = ("mutant", "stage", "killed", "killing checks", "expected", "s")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.mutations", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated mutant names (default: all)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers")
+    ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
+    ap.add_argument("--json", help="also write the outcomes to this file")
+    args = ap.parse_args(argv)
+    chosen = list(CATALOGUE)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        known = {m.name: m for m in CATALOGUE}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            print(f"harness.mutations: error: unknown mutant(s) {unknown} (valid: {', '.join(known)})",
+                  file=sys.stderr)
+            return 2
+        chosen = [known[n] for n in names]
+    for m in chosen:  # a stale entry fails before anything runs
+        with tempfile.TemporaryDirectory() as tmp:
+            patch_copy(m, Path(tmp))
+    start = time.time()
+    outcomes: dict[str, Outcome] = {}
+    with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(run_mutant, m): m.name for m in chosen}
+        if not args.no_clean:
+            points, memory = slices(chosen)
+            futures[pool.submit(run_clean, points, memory)] = "clean"
+        for fut in cf.as_completed(futures):
+            outcomes[futures[fut]] = fut.result()
+    wall = time.time() - start
+    rows, killed = [], 0
+    for m in chosen:
+        o = outcomes[m.name]
+        ok = not o.passed and bool(set(m.killed_by) & set(o.killing))
+        killed += not o.passed
+        verdict = "yes" if ok else ("SURVIVED" if o.passed else "yes (unexpected checks)")
+        rows.append((m.name, m.stage, verdict, ",".join(o.killing) or "-", ",".join(m.killed_by),
+                     f"{o.seconds:.1f}"))
+    print(_table(rows))
+    print()
+    rate = killed / max(len(chosen), 1)
+    print(f"kill rate: {killed}/{len(chosen)} = {100 * rate:.0f}%  (wall {wall:.1f} s, {args.jobs} jobs)")
+    clean_ok = True
+    if "clean" in outcomes:
+        c = outcomes["clean"]
+        clean_ok = c.passed
+        print(f"clean run: {'pass' if c.passed else 'FAIL'} ({c.checks} checks, {c.seconds:.1f} s)")
+        for f in c.failed[:10]:
+            print("  FAIL", f["message"])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"wall_s": wall, "kill_rate": rate, "outcomes": [
+            dataclasses.asdict(o) for o in outcomes.values()]}, indent=1))
+    all_expected = all(r[2] == "yes" for r in rows)
+    return 0 if (all_expected and clean_ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

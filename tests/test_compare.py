@@ -1,0 +1,122 @@
+"""Unit tests of the comparators on hand-built arrays: each must pass what is right and
+fail what is wrong (issue 4), and say so in assert_close's words."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from harness import tolerance
+from harness.compare import compare_close, exactly_zero, normalised_error, oracle_relative, topk_sets
+
+
+def _scores():
+    # 1 batch, 2 queries, 6 blocks; query 1 cannot see blocks 4, 5.
+    s = np.array([[[0.9, 0.5, 0.4, 0.1, 0.3, 0.2],
+                   [0.8, 0.7, 0.30, 0.3 + 1e-9, -np.inf, -np.inf]]])
+    return s
+
+
+def test_topk_identical_sets_in_any_order_pass():
+    oracle = np.array([[[0, 1, 2], [0, 1, 3]]])
+    cand = np.array([[[2, 0, 1], [3, 1, 0]]])
+    r = topk_sets("topk_indices", cand, oracle, _scores(), 1e-6)
+    assert r.passed and r.stats["excused"] == 0
+
+
+def test_topk_boundary_tie_is_excused_and_counted():
+    oracle = np.array([[[0, 1, 2], [0, 1, 3]]])
+    cand = np.array([[[0, 1, 2], [0, 1, 2]]])  # picks block 2 (0.30) instead of 3 (0.30 + 1e-9)
+    r = topk_sets("topk_indices", cand, oracle, _scores(), 1e-6)
+    assert r.passed and r.stats["excused"] == 1 and "1 boundary-tie differences excused" in r.note
+
+
+def test_topk_off_by_one_swap_that_is_not_a_tie_fails():
+    oracle = np.array([[[0, 1, 2], [0, 1, 3]]])
+    cand = np.array([[[0, 1, 3], [0, 1, 3]]])  # block 3 (0.1) for block 2 (0.4): 0.3 apart
+    r = topk_sets("topk_indices", cand, oracle, _scores(), 1e-6)
+    assert not r.passed and r.mismatched == 1 and r.where == (0, 0)
+    assert "candidate picks [0, 1, 3], oracle picks [0, 1, 2]" in r.message
+
+
+def test_topk_invalid_pick_instead_of_minus_one_fails():
+    scores = np.array([[[0.5, -np.inf, -np.inf]]])
+    r = topk_sets("topk_indices", np.array([[[0, 1]]]), np.array([[[0, -1]]]), scores, 1e9)
+    assert not r.passed
+
+
+def test_nan_anywhere_fails_even_with_a_huge_bound():
+    ref = np.ones((3, 4))
+    x = ref.copy()
+    x[1, 2] = np.nan
+    r = compare_close("oracle", "grad.indexer.wkv", x, ref, 1e9)
+    assert not r.passed and r.where == (1, 2) and "NaN in the candidate" in r.message
+
+
+def test_changed_minus_inf_pattern_fails():
+    ref = _scores()
+    x = ref.copy()
+    x[0, 1, 4] = 0.0  # a block the query must not see became visible
+    r = compare_close("oracle", "index_scores", x, ref, 1e9, scale="row")
+    assert not r.passed and r.where == (0, 1, 4) and "-inf pattern differs" in r.message
+
+
+def test_gradient_five_percent_off_fails_the_oracle_rule():
+    rng = np.random.default_rng(0)
+    oracle = rng.standard_normal((16, 8))
+    torch_t = oracle * (1 + 1e-3 * rng.standard_normal(oracle.shape))  # bf16-like noise
+    good = oracle * (1 + 1e-3 * rng.standard_normal(oracle.shape))
+    bad = oracle * 1.05
+    kw = dict(alpha=tolerance.ALPHA["grad"], floor=tolerance.floor("bfloat16", "grad.x"))
+    assert oracle_relative("grad.x", good, oracle, torch_t, **kw).passed
+    r = oracle_relative("grad.x", bad, oracle, torch_t, **kw)
+    assert not r.passed and r.ratio > 1
+    assert "Mismatched" not in r.message and "mismatched elements:" in r.message
+    assert "up to" in r.message and "torch-at-dtype error" in r.message
+
+
+def test_message_reads_like_assert_close_with_context():
+    ref = np.zeros((2, 3))
+    ref[0, 0] = 1.0
+    x = ref.copy()
+    x[1, 2] = 0.12
+    r = compare_close("chunk", "grad.indexer.wq_b", x, ref, 1e-5).with_context("small bfloat16 ichunk=2 tchunk=0 dense")
+    assert r.message.startswith("[small bfloat16 ichunk=2 tchunk=0 dense] grad.indexer.wq_b (chunk): MISMATCH: ")
+    assert "mismatched elements: 1 / 6 (16.7%)" in r.message
+    assert "greatest normalised difference: 0.12 at index (1, 2) (up to 1e-05 allowed" in r.message
+
+
+def test_scores_are_normalised_per_row():
+    ref = np.array([[100.0, 50.0], [1.0, 0.5]])
+    x = ref + np.array([[0.0, 0.0], [0.0, 0.01]])
+    err, where, _ = normalised_error(x, ref, "row")
+    assert err == pytest.approx(0.01) and where == (1, 1)
+    assert normalised_error(x, ref, "tensor")[0] == pytest.approx(1e-4)
+
+
+def test_scalar_loss_is_relative():
+    assert normalised_error(np.float64(2.0 + 2e-6), np.float64(2.0))[0] == pytest.approx(1e-6)
+
+
+def test_isolation_requires_exact_zero():
+    assert exactly_zero("input_grads", {"q_latent": np.zeros((2, 3))}).passed
+    r = exactly_zero("input_grads", {"q_latent": np.zeros((2, 3)), "hidden_states": np.full((2, 2), 1e-30)})
+    assert not r.passed and r.mismatched == 4 and "hidden_states" in r.note
+
+
+def test_zero_bound_ratio_is_inf_on_any_error():
+    r = exactly_zero("input_grads", {"x": np.array([1e-30])})
+    assert math.isinf(r.ratio)
+
+
+def test_default_precision_profile_only_raises_float32_floors():
+    for dtype in ("bfloat16", "float16"):
+        for q in ("index_scores", "loss", "grad.indexer.wkv"):
+            assert tolerance.floor(dtype, q, "default") == tolerance.floor(dtype, q, "highest")
+    for q in ("index_scores", "loss", "grad.indexer.wkv"):
+        assert tolerance.floor("float32", q, "default") == tolerance.floor("bfloat16", q)
+        assert tolerance.floor("float32", q, "highest") <= tolerance.floor("float32", q, "default")
+    with pytest.raises(ValueError, match="profile='fast' is not supported"):
+        tolerance.floor("float32", "loss", "fast")
