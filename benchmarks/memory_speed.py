@@ -1,0 +1,515 @@
+"""Memory and speed of head chunking: indexer scores + KL loss, forward and backward.
+
+    python -m benchmarks.memory_speed            # the full run (S = 2048, 8192, 32768)
+    python -m benchmarks.memory_speed --quick    # S = 2048 only, chunks native/1/8, 3 timed runs
+
+What is measured, per configuration: the program `jax.jit(jax.value_and_grad(_loss_core))`
+differentiated with respect to the six indexer parameters (dense loss, float32), i.e. the
+same loss `jax_impl.api._loss_and_grads_jit` compiles, less the (all-zero) input gradients.
+
+* Memory: XLA's compiled memory analysis (`.lower(...).compile().memory_analysis()`) from
+  `jax.ShapeDtypeStruct` arguments, so nothing is allocated: temp, argument and output bytes.
+  On this CPU XLA hands some fusions to YNNPACK (`__ynn_fusion`): a dot whose result only
+  feeds elementwise work and a reduction is fused with them, and the dot's result then lives
+  in YNNPACK's own scratch, which the memory analysis does not count (measured: peak RSS
+  grows by it). `ynn_scratch` is the largest such in-fusion dot result; it is reported next
+  to temp, never hidden, and `temp + ynn_scratch` is an upper bound on the working set.
+* The analytic floor (`analytic_floor`): what any implementation of the chunked algorithm
+  must hold at its worst moment, from the live [B, S, W] wide arrays and one chunk's
+  intermediates; the ratio measured/floor says how much the program wastes.
+* Wall time (median of `--repeats` runs after a warm-up run, with min/max), for rows with
+  S <= --time-max-s whose temp + ynn_scratch + arguments fit in --time-mem-gib. The timed
+  programs take turns run by run, so that load from other processes spreads over all of them.
+
+Sweeps (not the full cross product): the indexer chunk with the teacher chunk fixed at 1,
+the teacher chunk with the indexer chunk fixed at 1, and both knobs equal (the upstream
+single knob). Shapes: B=1, HI=64, DI=128, DR=64, H=64, D=128, E=R=256, m=4, top-k 512.
+Writes benchmarks/results.json and benchmarks/temp_memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_impl.api import _loss_core
+from jax_impl.config import CSAConfig, resolve_dtype
+from jax_impl.validate import FLOAT_INPUTS, INT_INPUTS, input_shapes, param_shapes
+
+GIB = 2**30
+MIB = 2**20
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The issue's shapes. E and R do not enter the [B, S, W] terms; 256 matches the upstream anchor.
+ISSUE_SHAPES = dict(
+    emb_dim=256, q_lora_rank=256, index_n_heads=64, index_head_dim=128, rope_head_dim=64,
+    compress_ratio=4, index_topk=512, num_query_heads=64, head_dim=128,
+)
+CHUNKS = (0, 1, 2, 4, 8, 16, 32, 64)  # 0 = native
+SEQS = (2048, 8192, 32768)
+# The upstream JAX implementation, same work, this CPU, jax 0.10.2, B=1, S=8192, E=R=256
+# (issue #6): temp GiB by single chunk knob.
+ANCHOR_S = 8192
+ANCHOR_GIB = {0: 16.3, 1: 1.47, 8: 2.69}
+
+
+def bench_config(indexer_head_chunk: int, loss_head_chunk: int, **overrides) -> CSAConfig:
+    return CSAConfig(**{**ISSUE_SHAPES, **overrides}, indexer_head_chunk=indexer_head_chunk,
+                     loss_head_chunk=loss_head_chunk)
+
+
+# -- the measured program ---------------------------------------------------------------
+
+
+def _loss_and_param_grads(params, float_inputs, int_inputs, cfg, dtype_name):
+    return jax.value_and_grad(_loss_core)(params, float_inputs, int_inputs, None, cfg, dtype_name)
+
+
+_grad_jit = jax.jit(_loss_and_param_grads, static_argnames=("cfg", "dtype_name"))
+
+
+def _abstract_args(cfg: CSAConfig, batch: int, seq: int, dtype: str):
+    """ShapeDtypeStructs laid out as jax_impl.api._prepare hands them to jit."""
+    _, wide = resolve_dtype(dtype)
+    params = {k: jax.ShapeDtypeStruct(shape, wide) for k, (_, shape) in param_shapes(cfg).items()}
+    shapes = input_shapes(cfg, batch, seq)
+    floats = {k: jax.ShapeDtypeStruct(shapes[k][1], jnp.float32) for k in FLOAT_INPUTS}
+    ints = {k: jax.ShapeDtypeStruct(shapes[k][1], jnp.int32) for k in INT_INPUTS}
+    return params, floats, ints
+
+
+def compile_grad(cfg: CSAConfig, batch: int, seq: int, dtype: str = "float32"):
+    """The compiled loss-and-parameter-gradients program (nothing is allocated)."""
+    return _grad_jit.lower(*_abstract_args(cfg, batch, seq, dtype), cfg=cfg, dtype_name=dtype).compile()
+
+
+_SIZES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "s64": 8}
+
+
+def _shape_bytes(text: str) -> int:
+    m = re.match(r"(\w+)\[([\d,]*)\]", text)
+    if not m or m.group(1) not in _SIZES:
+        return 0
+    return int(np.prod([int(d) for d in m.group(2).split(",") if d], dtype=np.int64)) * _SIZES[m.group(1)]
+
+
+def ynn_scratch_bytes(hlo_text: str) -> int:
+    """Largest dot result held inside a YNNPACK fusion (not counted by XLA's temp bytes)."""
+    ynn_bodies = set(re.findall(r"kind=kCustom, calls=%([\w.\-]+).*__ynn_fusion", hlo_text))
+    worst, body = 0, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^%([\w.\-]+) \(.*\{$", line)
+        if head:
+            body = head.group(1) if head.group(1) in ynn_bodies else None
+        elif line.startswith("}"):
+            body = None
+        elif body is not None and " dot(" in line and "ROOT" not in line:
+            worst = max(worst, _shape_bytes(line.split("= ", 1)[1]))
+    return worst
+
+
+def compiled_temp_bytes(cfg: CSAConfig, batch: int, seq: int, dtype: str = "float32") -> dict:
+    """XLA's compiled memory analysis of loss + gradients of the six parameters, in bytes.
+
+    Keys: temp, argument, output, alias (XLA's numbers), ynn_scratch (see the module
+    docstring) and effective = temp + ynn_scratch. Compile-only: nothing is allocated.
+    """
+    compiled = compile_grad(cfg, batch, seq, dtype)
+    ma = compiled.memory_analysis()
+    scratch = ynn_scratch_bytes(compiled.as_text())
+    return {
+        "temp": int(ma.temp_size_in_bytes),
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "ynn_scratch": int(scratch),
+        "effective": int(ma.temp_size_in_bytes) + int(scratch),
+    }
+
+
+# -- the analytic floor ------------------------------------------------------------------
+
+
+def analytic_floor(cfg: CSAConfig, batch: int, seq: int, dtype: str = "float32") -> dict:
+    """Bytes the chunked algorithm must hold at its worst moment, by phase.
+
+    A = B*S*W wide elements: the scores accumulator, the teacher distribution T, the score
+    gradient are each one A; a chunk of c heads' logits is c*A. Native is chunk = all heads.
+      teacher scan   T accumulator + one teacher chunk's logits        (1 + t) A
+      indexer fwd    score accumulator + one chunk's logits            (1 + c) A
+                     (whichever of the two runs second also holds the first's result: + A;
+                      the cheaper order is taken)
+      loss           scores and T in, their gradient written over the scores     2 A
+      indexer bwd    the score gradient + the chunk's recomputed logits and their
+                     cotangent (both needed: dq and dK read the cotangent, the head
+                     weights' gradient the logits) + the chunk's queries and their
+                     gradient [B, S, c, DI]                                (1 + 2c) A + 2 q_c
+    No layout copy is unavoidable in float32 (every big operand is contracted as it lies);
+    in a narrower dtype the teacher chunk's widened copy [B, S, t, D] is added.
+    Parameters, inputs and outputs are not temp and are not counted; neither are arrays of
+    O(B*S*HI) or O(B*W*DI) (head weights, keys), small next to A at these shapes.
+    """
+    _, wide = resolve_dtype(dtype)
+    wb = jnp.dtype(wide).itemsize
+    w = cfg.num_blocks(seq)
+    a = batch * seq * w * wb
+    c = cfg.indexer_head_chunk or cfg.index_n_heads
+    t = cfg.loss_head_chunk or cfg.num_query_heads
+    q_c = batch * seq * c * cfg.index_head_dim * wb
+    cast = 0 if jnp.dtype(dtype) == wide else batch * seq * t * cfg.head_dim * wb
+    teacher = (1 + t) * a + cast
+    idx_fwd = (1 + c) * a
+    fwd = min(max(teacher, idx_fwd + a), max(idx_fwd, teacher + a))
+    loss = 2 * a
+    idx_bwd = (1 + 2 * c) * a + 2 * q_c
+    phases = {"forward": fwd, "loss": loss, "indexer_backward": idx_bwd}
+    return {"total": max(phases.values()), "A": a, **phases}
+
+
+# -- wall time ---------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+    """Peak resident-set growth while the block runs (sampled every 2 ms)."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss_bytes()
+        self._run = True
+
+        def poll():
+            while self._run:
+                self.peak = max(self.peak, _rss_bytes())
+                time.sleep(0.002)
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._run = False
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def delta(self) -> int:
+        return self.peak - self.base
+
+
+def _concrete_args(cfg: CSAConfig, batch: int, seq: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    params = {k: jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * shape[0] ** -0.5)
+              for k, (_, shape) in param_shapes(cfg).items()}
+    shapes = input_shapes(cfg, batch, seq)
+    floats = {k: jnp.asarray(rng.standard_normal(shapes[k][1], dtype=np.float32)) for k in FLOAT_INPUTS}
+    floats["teacher_query"] = floats["teacher_query"] * cfg.head_dim**-0.5
+    ints = {"position_ids": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
+            "segment_ids": jnp.ones((batch, seq), jnp.int32)}
+    return params, floats, ints
+
+
+def time_configs(cfgs, batch: int, seq: int, repeats: int = 5, dtype: str = "float32", log=None) -> list:
+    """Wall time of each config's program at one sequence length, interleaved.
+
+    Every program is compiled and run once (the warm-up, whose peak RSS growth is kept as
+    a cross-check of temp + ynn_scratch; a heap that reuses memory the compiler freed can
+    only make it smaller), then the programs take turns, `repeats` rounds: a machine whose
+    load drifts during the run slows every config alike instead of whichever ran then.
+    Returns, per config, median/min/max seconds and the runs.
+    """
+    args = _concrete_args(cfgs[0], batch, seq)  # the chunk sizes do not change any shape
+    jax.block_until_ready(args)
+    programs, rss = [], []
+    for cfg in cfgs:
+        compiled = compile_grad(cfg, batch, seq, dtype)
+        with _PeakRss() as peak:
+            jax.block_until_ready(compiled(*args))
+        programs.append(compiled)
+        rss.append(peak.delta)
+    runs = [[] for _ in cfgs]
+    for r in range(repeats):
+        for i, compiled in enumerate(programs):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            runs[i].append(time.perf_counter() - start)
+        if log:
+            log(f"  S={seq}: timing round {r + 1}/{repeats} done")
+    return [{"median_s": statistics.median(x), "min_s": min(x), "max_s": max(x), "runs_s": x,
+             "rss_first_run_delta": d} for x, d in zip(runs, rss)]
+
+
+# -- the sweeps and the bounds -----------------------------------------------------------
+
+
+def sweep_points(chunks):
+    """(sweep, indexer_chunk, teacher_chunk) rows; the fixed knob is 1."""
+    rows = []
+    for c in chunks:
+        rows.append(("indexer", c, 1))
+    for c in chunks:
+        rows.append(("teacher", 1, c))
+    for c in chunks:
+        rows.append(("both", c, c))
+    return rows
+
+
+def grows_no_worse_than_linearly(points, slack=1.15):
+    """No worse than linear: the memory each extra head adds (per-head slope between
+    consecutive chunk sizes) never exceeds `slack` times the larger of the floor's own
+    per-head slope over the same step and every earlier measured slope. Linear growth has
+    a constant slope; superlinear growth has a rising one."""
+    worst, prev_max, detail = 0.0, 0.0, []
+    for (c0, m0, f0), (c1, m1, f1) in zip(points, points[1:]):
+        slope = (m1 - m0) / (c1 - c0)
+        allowed = slack * max((f1 - f0) / (c1 - c0), prev_max)
+        detail.append({"from": c0, "to": c1, "slope_bytes_per_head": slope, "allowed": allowed})
+        if allowed > 0:
+            worst = max(worst, slope / allowed)
+        elif slope > 0:
+            worst = float("inf")
+        prev_max = max(prev_max, slope)
+    return worst <= 1.0, worst, detail
+
+
+def evaluate_bounds(rows, time_seq=2048, bound_seq=8192):
+    by = {(r["seq"], r["indexer_chunk"], r["teacher_chunk"]): r for r in rows}
+    out = []
+
+    def row(s, ic, lc):
+        return by.get((s, ic, lc))
+
+    native, one = row(bound_seq, 0, 0), row(bound_seq, 1, 1)
+    if native and one:
+        t1, tn = one["memory"]["effective"], native["memory"]["temp"]
+        out.append({
+            "name": f"S={bound_seq}: temp(chunk=1) <= temp(native) / 8",
+            "ok": t1 <= tn / 8,
+            "detail": f"{t1 / GIB:.3f} GiB (temp + ynn_scratch) vs {tn / GIB:.3f} / 8 = {tn / 8 / GIB:.3f} GiB "
+                      f"(native: XLA temp alone, a lower bound) -> x{tn / t1:.1f} smaller",
+        })
+        half = ANCHOR_GIB[1] / 2
+        out.append({
+            "name": f"S={bound_seq}: temp(chunk=1) <= {half:.3f} GiB (half the upstream anchor's {ANCHOR_GIB[1]} GiB)",
+            "ok": t1 <= half * GIB,
+            "detail": f"{t1 / GIB:.3f} GiB",
+        })
+        fl = one["floor"]["total"]
+        out.append({
+            "name": f"S={bound_seq}: temp(chunk=1) <= 2 x analytic floor",
+            "ok": t1 <= 2 * fl,
+            "detail": f"{t1 / GIB:.3f} GiB vs floor {fl / GIB:.3f} GiB -> x{t1 / fl:.2f}",
+        })
+    for s in sorted({r["seq"] for r in rows}):
+        for sweep in ("indexer", "teacher", "both"):
+            pts = sorted((r["indexer_chunk"] if sweep != "teacher" else r["teacher_chunk"], r["memory"]["temp"],
+                          r["floor"]["total"]) for r in rows
+                         if r["seq"] == s and r["sweep"] == sweep and (r["indexer_chunk"] if sweep != "teacher"
+                                                                       else r["teacher_chunk"]) > 0)
+            if len(pts) < 2:
+                continue
+            ok, worst, _ = grows_no_worse_than_linearly(pts)
+            out.append({
+                "name": f"S={s} {sweep} sweep: temp grows no worse than linearly in the chunk size",
+                "ok": ok,
+                "detail": f"worst per-head slope / allowed = {worst:.2f} (chunks {[p[0] for p in pts]})",
+            })
+    for sweep, native_key in (("both", (0, 0)), ("indexer", (0, 1)), ("teacher", (1, 0))):
+        nat = by.get((time_seq, *native_key))
+        timed = [r for r in rows if r["seq"] == time_seq and r["sweep"] == sweep and r.get("time")
+                 and (r["indexer_chunk"], r["teacher_chunk"]) != native_key
+                 and (r["indexer_chunk"] if sweep != "teacher" else r["teacher_chunk"]) > 0]
+        if not (nat and nat.get("time") and timed):
+            continue
+        ratios = {(r["indexer_chunk"], r["teacher_chunk"]): r["time"]["median_s"] / nat["time"]["median_s"]
+                  for r in timed}
+        key, worst = max(ratios.items(), key=lambda kv: kv[1])
+        min_ratio = max(r["time"]["min_s"] for r in timed) / nat["time"]["min_s"]
+        out.append({
+            "name": f"S={time_seq} {sweep} sweep: chunked time <= 1.5 x native {native_key}",
+            "ok": worst <= 1.5,
+            "detail": f"worst median ratio x{worst:.2f} at (indexer, teacher) chunk {key}; "
+                      f"native median {nat['time']['median_s']:.3f} s; worst min/min ratio x{min_ratio:.2f}",
+        })
+    return out
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def _chunk_name(c):
+    return "native" if c == 0 else str(c)
+
+
+def print_table(rows, file=sys.stdout):
+    head = (f"{'S':>6} {'sweep':>8} {'idx':>6} {'tch':>6} {'temp GiB':>9} {'ynn GiB':>8} {'arg GiB':>8} "
+            f"{'out GiB':>8} {'floor GiB':>9} {'temp/floor':>10} {'(+ynn)/floor':>12} {'median s':>9} "
+            f"{'min s':>7} {'max s':>7} {'rss1 GiB':>8}")
+    print(head, file=file)
+    print("-" * len(head), file=file)
+    for r in rows:
+        m, f, t = r["memory"], r["floor"], r.get("time")
+        ts = (f"{t['median_s']:9.3f} {t['min_s']:7.3f} {t['max_s']:7.3f} {t['rss_first_run_delta'] / GIB:8.3f}"
+              if t else f"{'-':>9} {'-':>7} {'-':>7} {'-':>8}")
+        print(f"{r['seq']:>6} {r['sweep']:>8} {_chunk_name(r['indexer_chunk']):>6} "
+              f"{_chunk_name(r['teacher_chunk']):>6} {m['temp'] / GIB:9.3f} {m['ynn_scratch'] / GIB:8.3f} "
+              f"{m['argument'] / GIB:8.3f} {m['output'] / GIB:8.3f} {f['total'] / GIB:9.3f} "
+              f"{m['temp'] / f['total']:10.2f} {m['effective'] / f['total']:12.2f} {ts}", file=file)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    seqs = sorted({r["seq"] for r in rows})
+    colors = dict(zip(seqs, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]))
+    titles = {"indexer": "indexer chunk (teacher chunk 1)", "teacher": "teacher chunk (indexer chunk 1)",
+              "both": "both chunks equal (one upstream knob)"}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 6.2), sharey=True)
+    for ax, sweep in zip(axes, ("indexer", "teacher", "both")):
+        for s in seqs:
+            pts = sorted(((r["indexer_chunk"] if sweep != "teacher" else r["teacher_chunk"]), r) for r in rows
+                         if r["seq"] == s and r["sweep"] == sweep)
+            chunked = [(c, r) for c, r in pts if c > 0]
+            nat = [r for c, r in pts if c == 0]
+            if chunked:
+                xs = [c for c, _ in chunked]
+                ax.plot(xs, [r["memory"]["temp"] / GIB for _, r in chunked], "o-", color=colors[s],
+                        label=f"S={s} temp")
+                ax.plot(xs, [r["memory"]["effective"] / GIB for _, r in chunked], "x-", color=colors[s], lw=0.8,
+                        alpha=0.45, label=f"S={s} temp + YNN scratch")
+                ax.plot(xs, [r["floor"]["total"] / GIB for _, r in chunked], ":", color=colors[s], lw=1.2,
+                        label=f"S={s} analytic floor")
+            if nat:
+                ax.axhline(nat[0]["memory"]["temp"] / GIB, color=colors[s], ls="--", lw=1,
+                           label=f"S={s} native temp")
+                if nat[0]["memory"]["ynn_scratch"]:
+                    ax.axhline(nat[0]["memory"]["effective"] / GIB, color=colors[s], ls="--", lw=0.8, alpha=0.45,
+                               label=f"S={s} native temp + YNN scratch")
+        if sweep == "both" and ANCHOR_S in seqs:
+            ax.plot([1, 8], [ANCHOR_GIB[1], ANCHOR_GIB[8]], "kx", ms=9, label=f"upstream anchor S={ANCHOR_S}")
+            ax.axhline(ANCHOR_GIB[0], color="k", ls="-.", lw=0.8, label=f"upstream anchor native S={ANCHOR_S}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks([1, 2, 4, 8, 16, 32, 64])
+        ax.set_xticklabels(["1", "2", "4", "8", "16", "32", "64"])
+        ax.set_xlabel("heads per scan step")
+        ax.set_title(titles[sweep], fontsize=10)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("temp memory, GiB (log scale)")
+    handles, labels = axes[2].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=7.5, frameon=False)
+    fig.suptitle("Indexer scores + KL loss, forward+backward (grads of the 6 params), float32, "
+                 "B=1 HI=64 DI=128 H=64 D=128 E=R=256.\nDots: XLA temp; faint crosses: + YNNPACK in-fusion scratch "
+                 "XLA does not count; dashed: native; dotted: analytic floor", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="S=2048, chunks native/1/8, 3 timed runs")
+    p.add_argument("--s", default=None, help="comma-separated sequence lengths (default 2048,8192,32768)")
+    p.add_argument("--chunks", default=None, help="comma-separated chunk sizes, 0 = native (default 0,1,...,64)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up (default 5)")
+    p.add_argument("--time-max-s", type=int, default=2048, help="time only rows with S <= this (default 2048)")
+    p.add_argument("--time-mem-gib", type=float, default=4.0,
+                   help="time only rows whose temp + ynn_scratch + arguments fit (default 4 GiB)")
+    p.add_argument("--no-time", action="store_true", help="compile-only: memory, no wall time")
+    p.add_argument("--replot", action="store_true",
+                   help="re-print the table and bounds and redraw the PNG from an existing --out JSON")
+    p.add_argument("--out", default=os.path.join(HERE, "results.json"))
+    p.add_argument("--png", default=os.path.join(HERE, "temp_memory.png"))
+    args = p.parse_args(argv)
+
+    seqs = [int(x) for x in args.s.split(",")] if args.s else ([2048] if args.quick else list(SEQS))
+    chunks = [int(x) for x in args.chunks.split(",")] if args.chunks else ([0, 1, 8] if args.quick else list(CHUNKS))
+    repeats = args.repeats or (3 if args.quick else 5)
+    started = time.time()
+    if args.replot:
+        with open(args.out) as f:
+            rows = json.load(f)["rows"]
+        print_table(rows)
+        for b in evaluate_bounds(rows):
+            print(f"  {'PASS' if b['ok'] else 'FAIL'}  {b['name']}: {b['detail']}")
+        plot(rows, args.png)
+        return 0
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    memory, timing = {}, {}
+    for s in seqs:
+        for _, ic, lc in sweep_points(chunks):
+            if (s, ic, lc) not in memory:
+                memory[(s, ic, lc)] = mem = compiled_temp_bytes(bench_config(ic, lc), args.batch, s)
+                log(f"  S={s} indexer={_chunk_name(ic)} teacher={_chunk_name(lc)}: temp {mem['temp'] / GIB:.3f} GiB, "
+                    f"ynn scratch {mem['ynn_scratch'] / GIB:.3f} GiB")
+        keys = [k for k in memory if k[0] == s and s <= args.time_max_s and
+                memory[k]["effective"] + memory[k]["argument"] + memory[k]["output"] <= args.time_mem_gib * GIB]
+        if keys and not args.no_time:
+            log(f"  S={s}: timing {len(keys)} programs, {repeats} interleaved rounds")
+            for k, t in zip(keys, time_configs([bench_config(ic, lc) for _, ic, lc in keys], args.batch, s,
+                                               repeats, log=log)):
+                timing[k] = t
+    rows = []
+    for s in seqs:
+        for sweep, ic, lc in sweep_points(chunks):
+            rows.append({"seq": s, "batch": args.batch, "sweep": sweep, "indexer_chunk": ic, "teacher_chunk": lc,
+                         "memory": memory[(s, ic, lc)], "floor": analytic_floor(bench_config(ic, lc), args.batch, s),
+                         "time": timing.get((s, ic, lc))})
+
+    print_table(rows)
+    bounds = evaluate_bounds(rows)
+    if 8192 in seqs:
+        print(f"\nupstream anchor (S={ANCHOR_S}, one knob): "
+              + ", ".join(f"chunk {_chunk_name(c)}: {g} GiB" for c, g in ANCHOR_GIB.items()) + "; here: "
+              + ", ".join(f"chunk {_chunk_name(c)}: {memory[(ANCHOR_S, c, c)]['temp'] / GIB:.3f} GiB"
+                          for c in ANCHOR_GIB if (ANCHOR_S, c, c) in memory))
+    print("\nbounds:")
+    for b in bounds:
+        print(f"  {'PASS' if b['ok'] else 'FAIL'}  {b['name']}: {b['detail']}")
+    elapsed = time.time() - started
+    print(f"\n{len(memory)} programs compiled, {len(timing)} timed, {elapsed:.0f} s")
+
+    result = {
+        "command": "python -m benchmarks.memory_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "shapes": {**ISSUE_SHAPES, "batch": args.batch, "dtype": "float32", "loss": "dense"},
+        "what": "jit(value_and_grad(jax_impl.api._loss_core)) w.r.t. the six indexer parameters",
+        "sweeps": "indexer: teacher chunk 1; teacher: indexer chunk 1; both: equal chunks; chunk 0 = native",
+        "environment": {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+                        "machine": platform.machine(), "load_average_at_end": os.getloadavg()},
+        "elapsed_s": elapsed,
+        "anchor_gib": {_chunk_name(c): g for c, g in ANCHOR_GIB.items()},
+        "rows": rows,
+        "bounds": bounds,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(rows, args.png)
+    print(f"wrote {os.path.relpath(args.out)} and {os.path.relpath(args.png)}")
+    return 0 if all(b["ok"] for b in bounds) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
