@@ -22,8 +22,14 @@ from .scoring import block_validity, head_weights, mask_scores, raw_scores, topk
 from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, validate_inputs, validate_params
 
 
-def _forward_core(params, inputs, cfg: CSAConfig, dtype_name: str):
-    """Keys, masked scores, validity and top-k from wide params (SPEC sections 5-7)."""
+def _forward_core(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=None, prepare_keys=None,
+                  reduce_scores=None):
+    """Keys, masked scores, validity and top-k from wide params (SPEC sections 5-7).
+
+    The hooks serve jax_impl.sharded, where a device scores only its local heads:
+    `score_cfg` (the config with the local head count), `prepare_keys` (applied to the
+    keys before scoring) and `reduce_scores` (applied to the partial head sum).
+    """
     dtype, wide = resolve_dtype(dtype_name)
     p = {k: round_to(v, dtype) for k, v in params.items()}
     # The indexer never trains the hidden states or the query latent.
@@ -34,7 +40,10 @@ def _forward_core(params, inputs, cfg: CSAConfig, dtype_name: str):
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    scores = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, cfg, wide)
+    scoring_keys = keys if prepare_keys is None else prepare_keys(keys)
+    scores = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, scoring_keys, score_cfg or cfg, wide)
+    if reduce_scores is not None:
+        scores = reduce_scores(scores)
     valid = block_validity(pos, seg, cfg, x.shape[1])
     masked = mask_scores(scores, valid)
     return keys, masked, valid, topk_indices(masked, valid, cfg.index_topk)

@@ -53,12 +53,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .api import _prepare
+from .api import _forward_core, _prepare
 from .config import CSAConfig, resolve_dtype
 from .loss import kl_per_token, loss_keep, normalise_teacher, teacher_head_sum, teacher_inputs
-from .pooling import compress_keys
-from .precision import round_to
-from .scoring import block_validity, head_weights, mask_scores, raw_scores, topk_indices
 from .validate import PARAM_NAMES
 
 __all__ = ["check_mesh", "sharded_forward", "sharded_loss", "sharded_loss_and_grads", "sharded_parity_bundle"]
@@ -142,26 +139,21 @@ def _input_specs(data_axis, model_axis):
 
 
 def _local_forward(params, inputs, cfg, dtype_name, m, model_axis):
-    """One device's keys, full-head masked scores, validity and top-k (its batch rows)."""
-    dtype, wide = resolve_dtype(dtype_name)
-    p = {k: round_to(v, dtype) for k, v in params.items()}
-    x = round_to(jax.lax.stop_gradient(inputs["hidden_states"]), dtype)
-    q_latent = round_to(jax.lax.stop_gradient(inputs["q_latent"]), dtype)
-    pos, seg = inputs["position_ids"], inputs["segment_ids"]
-    keys = compress_keys(
-        x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
+    """One device's keys, full-head masked scores, validity and top-k (its batch rows).
+
+    Its heads are scored with the local head count but the head weights keep the GLOBAL
+    HI**-0.5 scale (head_weights uses cfg). The keys are replicated over `model`, but each
+    device's heads use them differently: they are marked device-varying so that the
+    scoring's custom VJP returns a per-device key cotangent of the right type (the
+    transpose of this cast psums those cotangents over `model`); the partial head sums
+    are added over `model`.
+    """
+    return _forward_core(
+        params, inputs, cfg, dtype_name,
+        score_cfg=_local_cfg(cfg, m),
+        prepare_keys=lambda keys: jax.lax.pcast(keys, model_axis, to="varying"),
+        reduce_scores=lambda partial: jax.lax.psum(partial, model_axis),
     )
-    # The weights of the local heads, scaled by the GLOBAL head count.
-    hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    # The keys are replicated over `model`, but each device's heads use them differently: mark
-    # them device-varying so that the scoring's custom VJP returns a per-device key cotangent
-    # of the right type; the transpose of this cast psums those cotangents over `model`.
-    keys_here = jax.lax.pcast(keys, model_axis, to="varying")
-    partial = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys_here, _local_cfg(cfg, m), wide)
-    scores = jax.lax.psum(partial, model_axis)
-    valid = block_validity(pos, seg, cfg, x.shape[1])
-    masked = mask_scores(scores, valid)
-    return keys, masked, valid, topk_indices(masked, valid, cfg.index_topk)
 
 
 def _local_loss(params, float_inputs, int_inputs, selection, cfg, dtype_name, m, data_axis, model_axis):
