@@ -64,6 +64,18 @@ ANCHOR_S = 8192
 ANCHOR_GIB = {0: 16.3, 1: 1.47, 8: 2.69}
 
 
+# The small compile-only shape of tests/test_memory.py and of the mutation worker's memory
+# check: HI*DI / W = 2 (the issue's shapes: 4), so an all-heads q [B, S, HI, DI] is two
+# [B, S, W] arrays, large enough to see. FLOOR_FACTOR: the issue's bound, chunk 1 holds at
+# most twice its analytic floor.
+TEST_SHAPE = dict(
+    emb_dim=64, q_lora_rank=64, index_n_heads=16, index_head_dim=64, rope_head_dim=32,
+    compress_ratio=4, index_topk=16, num_query_heads=16, head_dim=64,
+)
+TEST_BATCH, TEST_SEQ = 1, 2048
+FLOOR_FACTOR = 2.0
+
+
 def bench_config(indexer_head_chunk: int, loss_head_chunk: int, **overrides) -> CSAConfig:
     return CSAConfig(**{**ISSUE_SHAPES, **overrides}, indexer_head_chunk=indexer_head_chunk,
                      loss_head_chunk=loss_head_chunk)

@@ -83,6 +83,12 @@ def _validate_run_args(args) -> None:
             except ValueError as exc:
                 raise ValueError(f"case {name!r}: {exc}") from None
     load_implementation(args.impl)
+    # Load (and so validate) every selected fixture here, before the workers and the
+    # progress bar start: a damaged fixture is one line on stderr, nothing else.
+    from .fixtures import load_case
+
+    for name in args.cases or list(CASES):
+        load_case(name, os.environ.get("CSA_PARITY_FIXTURES") or None)
     if args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs} must be >= 1")
     _check_writable(args.out)
@@ -159,15 +165,17 @@ def run(args) -> int:
 
         progress = tqdm(total=len(entries), unit="entry", desc="parity", file=sys.stderr)
     ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(ordered)), mp_context=ctx,
-                                initializer=_init_worker, initargs=(args.precision, fixtures_dir)) as pool:
-        futures = {pool.submit(_evaluate_group, g, args.reference, args.precision): len(g) for g in ordered}
-        for fut in cf.as_completed(futures):
-            records.extend(fut.result())
-            if progress is not None:
-                progress.update(futures[fut])
-    if progress is not None:
-        progress.close()
+    try:
+        with cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(ordered)), mp_context=ctx,
+                                    initializer=_init_worker, initargs=(args.precision, fixtures_dir)) as pool:
+            futures = {pool.submit(_evaluate_group, g, args.reference, args.precision): len(g) for g in ordered}
+            for fut in cf.as_completed(futures):
+                records.extend(fut.result())
+                if progress is not None:
+                    progress.update(futures[fut])
+    finally:
+        if progress is not None:
+            progress.close()
     records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["mode"], r["quantity"], r["check"]))
     _init_worker(args.precision, fixtures_dir)
     meta = {

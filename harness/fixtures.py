@@ -493,8 +493,10 @@ def load_case(name: str, fixtures_dir: str | os.PathLike | None = None, *,
     Raises FixtureError (naming the file and the fix) for: an unknown case, a missing
     file, a truncated or corrupt file, a schema version mismatch, a case/config/seed that
     disagrees with the catalogue, a config that no longer validates, a missing or
-    unexpected tensor, a shape or dtype that disagrees with the case's config, and (with
-    `verify_sha`) a file whose sha256 or size differs from MANIFEST.json.
+    unexpected tensor, a shape or dtype that disagrees with the case's config, a value no
+    valid fixture holds (NaN/Inf in an input or parameter, a non-finite golden, positions
+    that decrease inside a document: `_check_values`), and (with `verify_sha`) a file
+    whose sha256 or size differs from MANIFEST.json.
     """
     fixtures_dir = Path(fixtures_dir) if fixtures_dir is not None else FIXTURES_DIR
     if name not in CASES:
@@ -558,8 +560,9 @@ def load_case(name: str, fixtures_dir: str | os.PathLike | None = None, *,
         raise FixtureError(f"{shown} has unexpected tensor(s) {', '.join(map(repr, extra))} "
                            f"(not in schema version {SCHEMA_VERSION}): regenerate it with {fix}")
 
-    if verify_sha:
+    if verify_sha:  # first: a file that changed after generation says so, whatever it holds now
         _verify_manifest(case, data, fixtures_dir, shown, fix)
+    _check_values(case, raw, shown, fix)
 
     goldens: dict[str, dict[str, np.ndarray]] = {dt: {} for dt in GOLDEN_DTYPES}
     for tname in schema:
@@ -572,6 +575,48 @@ def load_case(name: str, fixtures_dir: str | os.PathLike | None = None, *,
         params={n: raw[n].array() for n in PARAM_NAMES},
         goldens=goldens, metadata=dict(metadata), path=path,
     )
+
+
+def _check_values(case: Case, raw: Mapping[str, RawTensor], shown: str, fix: str) -> None:
+    """What a well-formed file can still hold wrong, found before anything runs (so it is a
+    fixture error, never a parity pass or failure): NaN or Inf in an input or a parameter; NaN,
+    +inf, or -inf outside `index_scores` (invalid blocks) in a golden; a negative position or
+    one that decreases inside a document; a top-k pick outside [-1, W)."""
+    restore = f"restore it with `git checkout -- {shown}` or regenerate it with {fix}"
+
+    def fail(tname: str, arr: np.ndarray, bad: np.ndarray, rule: str) -> None:
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        value = arr[where].item()
+        at = f" at index {where}" if where else ""
+        raise FixtureError(f"{shown}: tensor {tname!r} holds {value!r}{at} ({rule}): {restore}")
+
+    for tname, t in raw.items():
+        if not t.dtype_name.startswith(("float", "bfloat")):
+            continue
+        arr = t.array()
+        if not tname.startswith("golden."):
+            bad = ~np.isfinite(arr)
+            if bad.any():
+                fail(tname, arr, bad, "inputs and parameters must be finite")
+            continue
+        may_be_masked = tname.endswith(".index_scores")
+        bad = np.isnan(arr) | (arr == np.inf) | ((arr == -np.inf) & (not may_be_masked))
+        if bad.any():
+            fail(tname, arr, bad, "goldens must be finite, but for -inf at the invalid blocks of index_scores")
+    pos, seg = raw["position_ids"].array().astype(np.int64), raw["segment_ids"].array()
+    if (pos < 0).any():
+        fail("position_ids", pos, pos < 0, "positions must be >= 0")
+    drops = np.zeros(pos.shape, bool)
+    drops[:, 1:] = (pos[:, 1:] < pos[:, :-1]) & (seg[:, 1:] == seg[:, :-1])
+    if drops.any():
+        fail("position_ids", pos, drops, "positions must not decrease inside a document")
+    w = case.num_blocks
+    for dt in GOLDEN_DTYPES:
+        tname = f"golden.{dt}.topk_indices"
+        picks = raw[tname].array()
+        bad = (picks < -1) | (picks >= w)
+        if bad.any():
+            fail(tname, picks, bad, f"picks must satisfy -1 <= pick < W = {w}")
 
 
 def _verify_manifest(case: Case, data: bytes, fixtures_dir: Path, shown: str, fix: str) -> None:

@@ -3,6 +3,9 @@
 
     python -m harness.mutation_worker --impl-root DIR [--point case:dtype:ichunk:tchunk ...] [--memory]
 
+(`run()` is the same in a function: harness.mutations calls it in a child forked from a
+server that has already imported jax, which saves ~2 s of imports per mutant.)
+
 The package is installed editable: setuptools' meta-path finder maps `jax_impl` and
 every `jax_impl.*` submodule to the checkout, whatever PYTHONPATH says. So a finder
 inserted at sys.meta_path[0] resolves `jax_impl` from DIR and its submodules from the
@@ -21,10 +24,12 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import resource
 import sys
 import traceback
 
 PACKAGE = "jax_impl"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _RedirectFinder(importlib.abc.MetaPathFinder):
@@ -64,18 +69,17 @@ def foreign_modules(root: str) -> list[str]:
     return out
 
 
-# The compile-only memory check: tests/test_memory.py's shape (HI*DI / W = 2, so an
-# all-heads q is two [B, S, W] arrays) and its bound `chunk 1 holds at most twice the
-# analytic floor` (measured 1.83 x with the checkpoint, 2.45 x without).
-MEMORY_SHAPE = dict(
-    emb_dim=64, q_lora_rank=64, index_n_heads=16, index_head_dim=64, rope_head_dim=32,
-    compress_ratio=4, index_topk=16, num_query_heads=16, head_dim=64,
-)
-MEMORY_BATCH, MEMORY_SEQ, MEMORY_FACTOR = 1, 2048, 2.0
-
-
 def memory_check() -> dict:
-    from benchmarks.memory_speed import analytic_floor, compiled_temp_bytes
+    """tests/test_memory.py's floor bound, on the mutated copy: chunk 1 holds at most
+    FLOOR_FACTOR x the analytic floor (measured 1.83 x with the checkpoint, 2.45 x without)."""
+    from benchmarks.memory_speed import (
+        FLOOR_FACTOR as MEMORY_FACTOR,
+        TEST_BATCH as MEMORY_BATCH,
+        TEST_SEQ as MEMORY_SEQ,
+        TEST_SHAPE as MEMORY_SHAPE,
+        analytic_floor,
+        compiled_temp_bytes,
+    )
     from jax_impl import CSAConfig
 
     cfg = CSAConfig(**MEMORY_SHAPE, indexer_head_chunk=1, loss_head_chunk=1)
@@ -96,45 +100,59 @@ def _failure(r) -> dict:
     return {"check": r.check, "quantity": r.quantity, "context": r.context, "message": r.message}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.mutation_worker")
-    ap.add_argument("--impl-root", required=True, help="directory holding the jax_impl copy to import")
-    ap.add_argument("--point", action="append", default=[], help="case:dtype:ichunk:tchunk (repeatable)")
-    ap.add_argument("--memory", action="store_true", help="run the compile-only memory check")
-    ap.add_argument("--reference", default="goldens", choices=["goldens", "live"])
-    args = ap.parse_args(argv)
+class ForeignImport(RuntimeError):
+    """jax_impl (or one of its modules) did not come from the copy under test."""
 
-    redirect(args.impl_root)
+
+def run(impl_root: str, points=(), memory: bool = False, reference: str = "goldens",
+        cache_dir: str | None = None) -> dict:
+    """Import jax_impl from impl_root, run the slice, return the report (see the module doc).
+
+    Must run in a process that has not imported jax_impl yet (a fresh interpreter, or a
+    child forked from one that preloaded only jax, numpy and the harness)."""
+    impl_root = os.path.abspath(impl_root)
+    redirect(impl_root)
+    if REPO_ROOT not in sys.path:  # benchmarks/ (the memory check) is not an installed package
+        sys.path.append(REPO_ROOT)
     os.environ["JAX_ENABLE_X64"] = "1"
     import jax
 
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", "highest")
+    # CPU always: where the memory bound was measured, and never N workers preallocating one GPU.
+    jax.config.update("jax_platforms", "cpu")
+    if cache_dir:
+        # Keyed by the compiled HLO (debug info stripped), so a mutant hits only programs its
+        # mutation does not change (e.g. the native program of a chunking mutant). A size
+        # limit turns on JAX's file lock: workers share the directory.
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        jax.config.update("jax_compilation_cache_max_size", 2**31)
     import jax_impl
 
-    foreign = foreign_modules(args.impl_root)
+    foreign = foreign_modules(impl_root)
     if foreign:
-        print(f"mutation worker: jax_impl not imported from {args.impl_root}: {foreign}", file=sys.stderr)
-        return 3
+        raise ForeignImport(f"jax_impl not imported from {impl_root}: {foreign}")
 
     from harness.checks import evaluate
     from harness.matrix import build_matrix
     from harness.mutations import Point
 
     failed, checks, error = [], 0, ""
-    for spec in args.point:
-        p = Point.parse(spec)
+    for spec in points:
+        p = Point.parse(spec) if isinstance(spec, str) else spec
         entries = build_matrix(cases=[p.case], dtypes=[p.dtype], ichunks=[p.ichunk], tchunks=[p.tchunk])
         try:
             for entry in entries:
-                results = evaluate(entry, args.reference)
+                results = evaluate(entry, reference)
                 checks += len(results)
                 failed.extend(_failure(r) for r in results if not r.passed)
         except Exception as exc:  # the code under test crashed: that kills it too, but say how
-            error = f"{spec}: {type(exc).__name__}: {exc}"
-            failed.append({"check": "crash", "quantity": "-", "context": spec, "message": error,
+            error = f"{p.spec()}: {type(exc).__name__}: {exc}"
+            failed.append({"check": "crash", "quantity": "-", "context": p.spec(), "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
-    if args.memory:
+    if memory:
         try:
             r = memory_check()
             checks += 1
@@ -144,17 +162,45 @@ def main(argv=None) -> int:
             error = f"memory: {type(exc).__name__}: {exc}"
             failed.append({"check": "crash", "quantity": "temp_bytes", "context": "memory", "message": error})
 
-    foreign = foreign_modules(args.impl_root)
+    foreign = foreign_modules(impl_root)
     if foreign:
-        print(f"mutation worker: jax_impl modules from outside {args.impl_root}: {foreign}", file=sys.stderr)
-        return 3
-    print(json.dumps({
+        raise ForeignImport(f"jax_impl modules from outside {impl_root}: {foreign}")
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # this process (a forked child starts at 0)
+    return {
+        "cpu_s": usage.ru_utime + usage.ru_stime,
         "jax_impl_file": jax_impl.__file__,
         "checks": checks,
         "failed": failed,
         "killing": sorted({f["check"] for f in failed}),
         "error": error,
-    }))
+    }
+
+
+def forked(conn, kwargs) -> None:
+    """Entry point of a child forked by harness.mutations: run(**kwargs), the report (or the
+    traceback) sent back through `conn`."""
+    try:
+        conn.send(("ok", run(**kwargs)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.mutation_worker")
+    ap.add_argument("--impl-root", required=True, help="directory holding the jax_impl copy to import")
+    ap.add_argument("--point", action="append", default=[], help="case:dtype:ichunk:tchunk (repeatable)")
+    ap.add_argument("--memory", action="store_true", help="run the compile-only memory check")
+    ap.add_argument("--reference", default="goldens", choices=["goldens", "live"])
+    ap.add_argument("--cache-dir", help="JAX persistent compilation cache shared by workers (optional)")
+    args = ap.parse_args(argv)
+    try:
+        report = run(args.impl_root, args.point, args.memory, args.reference, args.cache_dir)
+    except ForeignImport as exc:
+        print(f"mutation worker: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps(report))
     return 0
 
 

@@ -5,11 +5,14 @@
 a stale catalogue fails loudly, it never silently tests nothing), the matrix slice
 that must catch it and the checks expected to do so. The committed source is never
 touched: `run_mutant` copies `jax_impl/` into a temporary directory, applies the
-text patch there, and runs the slice in a subprocess (`python -m
-harness.mutation_worker`) that imports the mutated copy in place of the installed
-package and judges it against the fixture goldens (no torch). `run_clean` runs the
-same machinery on an unmutated copy: every slice must pass there, so a mutant that
-fails does so because of its mutation.
+text patch there, and runs the slice in a process of its own that imports the mutated
+copy in place of the installed package and judges it against the fixture goldens (no
+torch): `harness.mutation_worker.run`, in a child forked from a server that has already
+imported jax (~2 s less per mutant), or `python -m harness.mutation_worker` where there is
+no fork server. `run_clean` runs the same machinery on an unmutated copy: every slice
+must pass there, so a mutant that fails does so because of its mutation. The workers of
+one run share a JAX persistent compilation cache (keyed by the compiled HLO, so a
+mutant only ever reuses a program its mutation left unchanged).
 
 Slices (`Point`s) are chosen for cost: each point is one compiled program (2-4 s on
 2 cores), so a mutant runs 1 point, plus the native program when its point is
@@ -70,7 +73,11 @@ TINY64 = Point("tiny", "float64")
 TINY64_ICHUNK = Point("tiny", "float64", ichunk=1)
 TINY64_TCHUNK = Point("tiny", "float64", tchunk=1)
 PACKED64 = Point("packed", "float64")
-TINY_BF16_ICHUNK = Point("tiny", "bfloat16", ichunk=1)
+# bfloat16, chunk 2 of HI=8 (4 scan steps): for the mistakes about dtypes, visible only as a
+# chunk-vs-native difference. At small's sizes, not tiny's: the skipped-rounding mutant shows
+# only where XLA's fusion of the native program keeps excess precision that the chunked one
+# does not (measured: killed on small at chunks 2 and 8, survives every tiny bf16/f16 point).
+SMALL_BF16_ICHUNK = Point("small", "bfloat16", ichunk=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +246,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "chunk_accumulate_low_dtype", "chunking", "scoring.py",
         "        acc0 = jnp.zeros_like(hw[..., :1] * keys_wide[:, None, :, 0])",
         "        acc0 = jnp.zeros_like(hw[..., :1] * keys_wide[:, None, :, 0], dtype=keys.dtype)",
-        ("chunk",), (TINY_BF16_ICHUNK,),
+        ("chunk",), (SMALL_BF16_ICHUNK,),
         "the chunked scores accumulated in the compute dtype (bfloat16), not the wide dtype",
         more=(("            return acc + _head_contribution(q.astype(wide), keys_wide, hw_c), None",
                "            return (acc + _head_contribution(q.astype(wide), keys_wide, hw_c)).astype(acc.dtype), None"),),
@@ -288,7 +295,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "    if dtype in _LOW and jnp.finfo(x.dtype).nmant > jnp.finfo(dtype).nmant:\n"
         "        x = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=jnp.finfo(dtype).nmant)\n",
         "",
-        ("chunk",), (TINY_BF16_ICHUNK,),
+        ("chunk",), (SMALL_BF16_ICHUNK,),
         "a plain astype for every cast down: XLA keeps excess precision inside fusions, so which "
         "bfloat16 roundings happen depends on fusion, and chunked and native differ",
     ),
@@ -307,6 +314,7 @@ class Outcome:
     failed: list[dict]
     checks: int
     seconds: float
+    cpu_s: float = 0.0  # CPU time of the worker process (all threads)
     error: str = ""  # the worker crashed (the mutated code raised): reported as check "crash"
 
 
@@ -333,15 +341,71 @@ def patch_copy(mutant: Mutant | None, dst: Path, src: Path | None = None) -> Pat
     return target
 
 
-def run_worker(impl_root: Path, points, memory: bool, timeout: float = 600.0) -> dict:
-    """Run harness.mutation_worker on the jax_impl copy under impl_root; its JSON report."""
+# What the fork server imports once, so that each mutant's process starts with them: everything
+# the worker needs except jax_impl, which every child imports from its own copy. Importing jax
+# does not start its backend (no threads, no devices), so forking after it is safe.
+PRELOAD = ("numpy", "jax", "harness.compare", "harness.checks", "harness.matrix", "harness.mutation_worker")
+
+
+def default_method() -> str:
+    """`forkserver` (a child forked per mutant from a server holding PRELOAD: ~2 s less per
+    mutant) where the platform has it, else `subprocess` (`python -m harness.mutation_worker`)."""
+    import multiprocessing
+
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "subprocess"
+
+
+def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float) -> dict:
+    import multiprocessing
+
+    from harness.mutation_worker import forked
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # used when the server starts (first call)
+    parent, child = ctx.Pipe(duplex=False)
+    kwargs = dict(impl_root=str(impl_root), points=[p.spec() for p in points], memory=memory,
+                  cache_dir=str(cache_dir) if cache_dir else None)
+    proc = ctx.Process(target=forked, args=(child, kwargs), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise MutationError(f"mutation worker gave no report within {timeout:.0f} s")
+        status, payload = parent.recv()
+    except EOFError:
+        proc.join(5)
+        raise MutationError(f"mutation worker died (exit code {proc.exitcode}) without a report") from None
+    finally:
+        if proc.is_alive():
+            proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        parent.close()
+    if status != "ok":
+        raise MutationError(f"mutation worker raised:\n{payload}")
+    return payload
+
+
+def stop_forkserver() -> None:
+    """Stop and reap the fork server this process started, if any (so its CPU time, and its
+    children's, is accounted to this process, and nothing is left behind)."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own (used by its tests)
+    if stop is not None:
+        stop()
+
+
+def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "harness.mutation_worker", "--impl-root", str(impl_root)]
     for p in points:
         cmd += ["--point", p.spec()]
     if memory:
         cmd.append("--memory")
+    if cache_dir:
+        cmd += ["--cache-dir", str(cache_dir)]
     env = dict(os.environ, JAX_ENABLE_X64="1")
-    env.pop("CSA_PARITY_MUTATION_ROOT", None)
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -350,17 +414,37 @@ def run_worker(impl_root: Path, points, memory: bool, timeout: float = 600.0) ->
     return json.loads(lines[-1])
 
 
+def run_worker(impl_root: Path, points, memory: bool, cache_dir: str | os.PathLike | None = None,
+               timeout: float = 600.0, method: str | None = None) -> dict:
+    """Run the worker (harness/mutation_worker.py) on the jax_impl copy under impl_root in a
+    process of its own; its report. `cache_dir`: a JAX persistent compilation cache shared
+    by the workers of one run. `method`: `forkserver` or `subprocess` (default_method())."""
+    method = method or default_method()
+    if method == "forkserver":
+        report = _run_forked(Path(impl_root), points, memory, cache_dir, timeout)
+    elif method == "subprocess":
+        report = _run_subprocess(Path(impl_root), points, memory, cache_dir, timeout)
+    else:
+        raise ValueError(f"method={method!r} is not supported (valid: forkserver, subprocess)")
+    imported = os.path.realpath(report["jax_impl_file"])
+    if not imported.startswith(os.path.realpath(impl_root) + os.sep):
+        raise MutationError(f"the worker imported jax_impl from {imported}, not from the copy in {impl_root}")
+    return report
+
+
 def _outcome(name: str, report: dict, seconds: float) -> Outcome:
     failed = report["failed"]
     killing = tuple(sorted({f["check"] for f in failed}))
-    return Outcome(name, not failed, killing, failed, report["checks"], seconds, report.get("error", ""))
+    return Outcome(name, not failed, killing, failed, report["checks"], seconds,
+                   report.get("cpu_s", 0.0), report.get("error", ""))
 
 
-def run_mutant(mutant: Mutant) -> Outcome:
+def run_mutant(mutant: Mutant, cache_dir=None, method: str | None = None) -> Outcome:
+    """Apply the mutant to a temporary copy of jax_impl and run its slice there."""
     start = time.time()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         patch_copy(mutant, Path(tmp))
-        report = run_worker(Path(tmp), mutant.points, mutant.memory)
+        report = run_worker(Path(tmp), mutant.points, mutant.memory, cache_dir, method=method)
     return _outcome(mutant.name, report, time.time() - start)
 
 
@@ -370,17 +454,17 @@ def slices(catalogue=CATALOGUE) -> tuple[tuple[Point, ...], bool]:
     return tuple(points), any(m.memory for m in catalogue)
 
 
-def run_clean(points, memory: bool) -> Outcome:
+def run_clean(points, memory: bool, cache_dir=None, method: str | None = None) -> Outcome:
     """The same machinery on an unmutated copy: must pass."""
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="mutant-clean-") as tmp:
         patch_copy(None, Path(tmp))
-        report = run_worker(Path(tmp), points, memory)
+        report = run_worker(Path(tmp), points, memory, cache_dir, method=method)
     return _outcome("clean", report, time.time() - start)
 
 
 def _table(rows) -> str:
-    header = ("mutant", "stage", "killed", "killing checks", "expected", "s")
+    header = ("mutant", "stage", "killed", "killing checks", "expected", "wall s", "cpu s")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -393,6 +477,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers")
     ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
     ap.add_argument("--json", help="also write the outcomes to this file")
+    ap.add_argument("--method", choices=["forkserver", "subprocess"], help="default: forkserver where available")
     args = ap.parse_args(argv)
     chosen = list(CATALOGUE)
     if args.only:
@@ -409,13 +494,16 @@ def main(argv=None) -> int:
             patch_copy(m, Path(tmp))
     start = time.time()
     outcomes: dict[str, Outcome] = {}
-    with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_mutant, m): m.name for m in chosen}
-        if not args.no_clean:
+    with tempfile.TemporaryDirectory(prefix="mutation-xla-cache-") as cache, \
+            cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {}
+        if not args.no_clean:  # first: it compiles the programs most mutants leave unchanged
             points, memory = slices(chosen)
-            futures[pool.submit(run_clean, points, memory)] = "clean"
+            futures[pool.submit(run_clean, points, memory, cache, args.method)] = "clean"
+        futures.update({pool.submit(run_mutant, m, cache, args.method): m.name for m in chosen})
         for fut in cf.as_completed(futures):
             outcomes[futures[fut]] = fut.result()
+    stop_forkserver()
     wall = time.time() - start
     rows, killed = [], 0
     for m in chosen:
@@ -424,16 +512,19 @@ def main(argv=None) -> int:
         killed += not o.passed
         verdict = "yes" if ok else ("SURVIVED" if o.passed else "yes (unexpected checks)")
         rows.append((m.name, m.stage, verdict, ",".join(o.killing) or "-", ",".join(m.killed_by),
-                     f"{o.seconds:.1f}"))
+                     f"{o.seconds:.1f}", f"{o.cpu_s:.1f}"))
     print(_table(rows))
     print()
     rate = killed / max(len(chosen), 1)
-    print(f"kill rate: {killed}/{len(chosen)} = {100 * rate:.0f}%  (wall {wall:.1f} s, {args.jobs} jobs)")
+    cpu = sum(o.cpu_s for o in outcomes.values())
+    print(f"kill rate: {killed}/{len(chosen)} = {100 * rate:.0f}%  (wall {wall:.1f} s with {args.jobs} jobs; "
+          f"worker CPU {cpu:.1f} s, method {args.method or default_method()})")
     clean_ok = True
     if "clean" in outcomes:
         c = outcomes["clean"]
         clean_ok = c.passed
-        print(f"clean run: {'pass' if c.passed else 'FAIL'} ({c.checks} checks, {c.seconds:.1f} s)")
+        print(f"clean run: {'pass' if c.passed else 'FAIL'} ({c.checks} checks, {c.seconds:.1f} s, "
+              f"cpu {c.cpu_s:.1f} s)")
         for f in c.failed[:10]:
             print("  FAIL", f["message"])
     if args.json:

@@ -25,9 +25,15 @@ def fixtures_dir():
     return os.environ.get("CSA_PARITY_FIXTURES") or None
 
 
-@functools.lru_cache(maxsize=None)
+# Every cache below is keyed by the fixtures directory too (CSA_PARITY_FIXTURES may change
+# within a process, e.g. a test pointing it at a damaged copy).
 def fixture(case: str):
-    return load_case(case, fixtures_dir())
+    return _fixture(case, fixtures_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _fixture(case: str, directory: str | None):
+    return load_case(case, directory)
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,14 +49,18 @@ def _split_goldens(tensors: dict) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def reference(case: str, source: str = "live") -> dict[str, dict[str, np.ndarray]]:
     """Torch results per dtype: {dtype: {quantity: array}} with the golden quantity names.
 
     `live` runs torch_ref now on the fixture's inputs; `goldens` reads the ones stored in
     the fixture (no torch needed: the JAX-only mode of a TPU VM).
     """
-    fx = fixture(case)
+    return _reference(case, source, fixtures_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(case: str, source: str, directory: str | None) -> dict[str, dict[str, np.ndarray]]:
+    fx = _fixture(case, directory)
     if source == "goldens":
         ref = {dt: dict(q) for dt, q in fx.goldens.items()}
         ref = {dt: {k: to_numpy(v) for k, v in q.items()} for dt, q in ref.items()}
@@ -77,13 +87,17 @@ def _host_run(loss, pg, ig) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int) -> dict:
     """All outputs of one (implementation, case, dtype, chunks):
     {"forward": {quantity: array}, mode: {"loss", "grad.<param>", "input_grads"} for MODES}.
     Uses the implementation's optional `indexer_parity_bundle` (one compiled program) when
     it has one, else the protocol's two entry points (four programs)."""
-    impl, fx = implementation(impl_spec), fixture(case)
+    return _run_point(impl_spec, case, dtype, ichunk, tchunk, fixtures_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, directory: str | None) -> dict:
+    impl, fx = implementation(impl_spec), _fixture(case, directory)
     oracle_selection = fx.goldens["float64"]["topk_indices"]
     dense_cfg = _config(impl, case, ichunk, tchunk, False)
     bundle = getattr(impl.api, "indexer_parity_bundle", None)
@@ -113,6 +127,6 @@ def loss_and_grads(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: i
 
 
 def clear_caches() -> None:
-    for fn in (fixture, implementation, reference, run_point):
+    for fn in (_fixture, implementation, _reference, _run_point):
         fn.cache_clear()
 

@@ -1,0 +1,402 @@
+"""Bad input catalogue (issue #5): every bad input gets a clear error naming the field or
+file, the value and the rule, on the library API of both sides and on the CLI (exit code 2,
+exactly one line on stderr, no traceback); a legal input gets a correct result.
+
+Already covered elsewhere, and not repeated here:
+  - torch_ref: every config rule and its exact message (tests/test_torch_ref.py CONFIG_ERRORS),
+    unknown / missing config keys, dtype names, every input check (INPUT_ERRORS: wrong shape
+    and rank, float positions, NaN/Inf, decreasing and negative positions, missing tensors,
+    parameter shapes and dtypes), packed rows accepted;
+  - the fixture loader (library side): missing, truncated, corrupt header / not safetensors,
+    old schema, missing or unexpected tensor, shape, dtype, sha mismatch, manifest missing
+    (tests/test_fixtures.py test_error_*);
+  - the CLI: unknown case, a non-divisor indexer chunk, a negative teacher chunk, an
+    unsupported dtype, an implementation that cannot be imported or lacks its factory, an
+    unwritable report directory (tests/test_cli.py test_user_errors_exit_2_with_one_line).
+Here: the jax_impl side of those same catalogues (the messages are identical by
+docs/API.md, so they are imported, not copied), the entries the issue lists that neither
+side had, the value checks of a fixture (NaN / Inf / decreasing positions in a file whose
+sha matches: a fixture error, never a parity pass or failure), and the CLI side of every
+fixture error and of the remaining chunk errors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import jax_impl
+import torch_ref
+from harness import cli
+from harness.fixtures import (
+    FIXTURES_DIR,
+    FixtureError,
+    load_case,
+    read_manifest,
+    read_safetensors,
+    sha256_of,
+    write_manifest,
+    write_safetensors,
+)
+from test_torch_ref import CONFIG_ERRORS, INPUT_ERRORS, SMALL, make_inputs, make_params
+
+SIDES = [jax_impl, torch_ref]
+SIDE_IDS = ["jax", "torch"]
+CHUNK_VALID = "(valid: 0, 1, 2, 4, 8)"
+
+# ----------------------------------------------------------------------------- config
+
+# Entries of the issue that test_torch_ref's CONFIG_ERRORS lacks; run on both sides.
+MORE_CONFIG_ERRORS = [
+    (dict(loss_head_chunk=16), f"loss_head_chunk=16 must divide num_query_heads=8 {CHUNK_VALID}"),
+    (dict(loss_head_chunk=-1), f"loss_head_chunk=-1 must divide num_query_heads=8 {CHUNK_VALID}"),
+    (dict(indexer_head_chunk=-1), f"indexer_head_chunk=-1 must divide index_n_heads=8 {CHUNK_VALID}"),
+    (dict(q_lora_rank=0), "q_lora_rank=0 must be >= 1"),
+    (dict(index_head_dim=0), "index_head_dim=0 must be >= 1"),
+    (dict(head_dim=-3), "head_dim=-3 must be >= 1"),
+    (dict(index_topk=-4), "index_topk=-4 must be >= 1"),
+    (dict(rope_head_dim=5), "rope_head_dim=5 must be even"),
+    (dict(rope_head_dim=34), "rope_head_dim=34 must satisfy 0 <= rope_head_dim <= index_head_dim=32"),
+]
+
+
+@pytest.mark.parametrize("over,message", CONFIG_ERRORS, ids=[m for _, m in CONFIG_ERRORS])
+def test_jax_config_rule_has_the_same_message(over, message):
+    with pytest.raises(ValueError) as e:
+        jax_impl.CSAConfig(**{**SMALL, **over})
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("side", SIDES, ids=SIDE_IDS)
+@pytest.mark.parametrize("over,message", MORE_CONFIG_ERRORS, ids=[m for _, m in MORE_CONFIG_ERRORS])
+def test_config_rule(side, over, message):
+    with pytest.raises(ValueError) as e:
+        side.CSAConfig.from_dict({**SMALL, **over})
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("side", SIDES, ids=SIDE_IDS)
+def test_config_legal_edges_are_accepted(side):
+    """The legal ends of each rule: chunk = 0 or the head count, DR = 0 or DI, k > W later."""
+    for over in (dict(indexer_head_chunk=8, loss_head_chunk=8), dict(indexer_head_chunk=0, loss_head_chunk=1),
+                 dict(rope_head_dim=0), dict(rope_head_dim=32), dict(compress_ratio=1, index_topk=1)):
+        cfg = side.CSAConfig.from_dict({**SMALL, **over})
+        assert side.CSAConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_jax_from_dict_unknown_and_missing_keys():
+    valid = ", ".join(jax_impl.CSAConfig.__dataclass_fields__)
+    with pytest.raises(ValueError) as e:
+        jax_impl.CSAConfig.from_dict({**SMALL, "foo": 1})
+    assert str(e.value) == f"unknown config field 'foo' (valid: {valid})"
+    d = dict(SMALL)
+    del d["emb_dim"]
+    with pytest.raises(ValueError) as e:
+        jax_impl.CSAConfig.from_dict(d)
+    assert str(e.value) == "missing config field 'emb_dim'"
+
+
+# ----------------------------------------------------------------------------- dtype names
+
+
+@pytest.mark.parametrize("side", SIDES, ids=SIDE_IDS)
+@pytest.mark.parametrize("name", ["int8", "bf16", "float", "float8_e4m3fn", None])
+def test_unsupported_dtype_name(side, name):
+    message = f"dtype={name!r} is not supported (valid: float32, bfloat16, float16, float64)"
+    with pytest.raises(ValueError) as e:
+        side.resolve_dtype(name)
+    assert str(e.value) == message
+    cfg = side.CSAConfig(**SMALL)
+    with pytest.raises(ValueError) as e:  # through the entry point, before any computation
+        side.indexer_loss_and_grads(make_params(cfg), make_inputs(cfg, 1, 8), cfg, name)
+    assert str(e.value) == message
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _set(name, value):
+    def mutate(inputs, params):
+        inputs[name] = value(inputs[name])
+    return mutate
+
+
+def _at(name, index, value):
+    def mutate(inputs, params):
+        inputs[name] = inputs[name].copy()
+        inputs[name][index] = value
+    return mutate
+
+
+# Entries of the issue that test_torch_ref's INPUT_ERRORS lacks (same B=2, S=64 problem).
+MORE_INPUT_ERRORS = [
+    (_at("teacher_query", (1, 5, 2, 0), np.nan), "inputs['teacher_query'] contains NaN/Inf at index (1, 5, 2, 0)"),
+    (_at("q_latent", (0, 0, 0), np.inf), "inputs['q_latent'] contains NaN/Inf at index (0, 0, 0)"),
+    (_set("q_latent", lambda a: a[0]),
+     "inputs['q_latent'] has shape (64, 32); expected [B, S, q_lora_rank] = [2, 64, 32]"),
+    (_set("teacher_kv", lambda a: a[..., None]),
+     "inputs['teacher_kv'] has shape (2, 16, 32, 1); expected [B, W, head_dim] = [2, 16, 32]"),
+    (_set("position_ids", lambda a: a.astype(np.float64)),
+     "inputs['position_ids'] has dtype float64; expected an integer dtype"),
+    (_set("hidden_states", lambda a: a.astype(np.complex64)),
+     "inputs['hidden_states'] has dtype complex64; expected a floating dtype"),
+]
+
+
+@pytest.mark.parametrize("mutate,message", INPUT_ERRORS, ids=[m for _, m in INPUT_ERRORS])
+def test_jax_input_check_has_the_same_message(mutate, message):
+    cfg = jax_impl.CSAConfig(**SMALL)
+    params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
+    mutate(inputs, params)
+    with pytest.raises(ValueError) as e:  # raised on the host, before anything is traced
+        jax_impl.indexer_loss_and_grads(params, inputs, cfg, "float32")
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("side", SIDES, ids=SIDE_IDS)
+@pytest.mark.parametrize("mutate,message", MORE_INPUT_ERRORS, ids=[m for _, m in MORE_INPUT_ERRORS])
+def test_input_check(side, mutate, message):
+    cfg = side.CSAConfig(**SMALL)
+    params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
+    mutate(inputs, params)
+    with pytest.raises(ValueError) as e:
+        side.indexer_loss_and_grads(params, inputs, cfg, "float32")
+    assert str(e.value) == message
+
+
+def test_jax_accepts_positions_that_restart_at_a_document():
+    cfg = jax_impl.CSAConfig(**SMALL)
+    inputs = make_inputs(cfg, 2, 64, docs=[20, 44])
+    jax_impl.validate_inputs(inputs, cfg)  # legal: a new document restarts at 0
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def copy_dir(tmp_path):
+    dst = tmp_path / "fixtures"
+    shutil.copytree(FIXTURES_DIR, dst)
+    return dst
+
+
+def _rewrite(path, replace, fix_manifest=True):
+    """Replace tensors of a fixture file; by default keep MANIFEST.json consistent, so only
+    the value check can object."""
+    tensors, md = read_safetensors(path.read_bytes())
+    tensors.update(replace)
+    data = write_safetensors(tensors, md)
+    path.write_bytes(data)
+    if fix_manifest:
+        manifest = read_manifest(path.parent)
+        manifest["cases"][path.stem].update(sha256=sha256_of(data), bytes=len(data))
+        write_manifest(path.parent, manifest["cases"])
+
+
+def _array(path, name):
+    return read_safetensors(path.read_bytes())[0][name].array()
+
+
+def _nan_input(d):
+    q = _array(d / "tiny.safetensors", "q_latent")
+    q[0, 3, 1] = np.nan
+    _rewrite(d / "tiny.safetensors", {"q_latent": q})
+
+
+def _inf_teacher(d):
+    kv = _array(d / "tiny.safetensors", "teacher_kv")
+    kv[0, 2, 5] = -np.inf
+    _rewrite(d / "tiny.safetensors", {"teacher_kv": kv})
+
+
+def _nan_param(d):
+    w = _array(d / "tiny.safetensors", "indexer.wq_b")
+    w[1, 2] = np.nan
+    _rewrite(d / "tiny.safetensors", {"indexer.wq_b": w})
+
+
+def _decreasing_positions(d):
+    pos = _array(d / "tiny.safetensors", "position_ids")
+    pos[0, 6] = 2
+    _rewrite(d / "tiny.safetensors", {"position_ids": pos})
+
+
+def _nan_golden(d):
+    g = _array(d / "tiny.safetensors", "golden.float32.loss.sparse")
+    _rewrite(d / "tiny.safetensors", {"golden.float32.loss.sparse": np.full_like(g, np.nan)})
+
+
+def _inf_golden(d):
+    g = _array(d / "tiny.safetensors", "golden.float64.compressed_keys")
+    g[0, 1, 2] = -np.inf  # -inf is legal in index_scores only
+    _rewrite(d / "tiny.safetensors", {"golden.float64.compressed_keys": g})
+
+
+def _pick_out_of_range(d):
+    g = _array(d / "tiny.safetensors", "golden.float64.topk_indices")
+    g[0, 15, 0] = 4  # W = 4
+    _rewrite(d / "tiny.safetensors", {"golden.float64.topk_indices": g})
+
+
+# A fixture whose sha matches MANIFEST.json but whose values no valid fixture holds:
+# harness.fixtures refuses it at load (the parity run must not judge NaN as pass or fail).
+VALUE_ERRORS = [
+    (_nan_input, "tensor 'q_latent' holds nan at index (0, 3, 1) (inputs and parameters must be finite)"),
+    (_inf_teacher, "tensor 'teacher_kv' holds -inf at index (0, 2, 5) (inputs and parameters must be finite)"),
+    (_nan_param, "tensor 'indexer.wq_b' holds nan at index (1, 2) (inputs and parameters must be finite)"),
+    (_decreasing_positions,
+     "tensor 'position_ids' holds 2 at index (0, 6) (positions must not decrease inside a document)"),
+    (_nan_golden, "tensor 'golden.float32.loss.sparse' holds nan (goldens must be finite, but for -inf at "
+                  "the invalid blocks of index_scores)"),
+    (_inf_golden, "tensor 'golden.float64.compressed_keys' holds -inf at index (0, 1, 2) (goldens must be "
+                  "finite, but for -inf at the invalid blocks of index_scores)"),
+    (_pick_out_of_range,
+     "tensor 'golden.float64.topk_indices' holds 4 at index (0, 15, 0) (picks must satisfy -1 <= pick < W = 4)"),
+]
+
+
+@pytest.mark.parametrize("damage,message", VALUE_ERRORS, ids=[d.__name__[1:] for d, _ in VALUE_ERRORS])
+def test_fixture_value_error(copy_dir, damage, message):
+    damage(copy_dir)
+    with pytest.raises(FixtureError) as e:
+        load_case("tiny", copy_dir)
+    msg = str(e.value)
+    assert msg.startswith(f"{copy_dir}/tiny.safetensors: {message}: restore it with `git checkout --"), msg
+    assert "--case tiny" in msg
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _cli(capfd, argv) -> tuple[int, list[str]]:
+    """harness.cli.main in this process; (exit code, stderr lines). capfd also catches
+    what a spawned worker writes to the inherited stderr."""
+    code = cli.main(argv)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err.strip().splitlines()
+
+
+def _assert_user_error(code, lines, *needles):
+    assert code == 2, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("csa-parity: error: "), lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+CLI_CHUNK_ERRORS = [
+    (["--ichunks", "-2"], f"case 'small': indexer_head_chunk=-2 must divide index_n_heads=8 {CHUNK_VALID}"),
+    (["--ichunks", "16"], f"case 'small': indexer_head_chunk=16 must divide index_n_heads=8 {CHUNK_VALID}"),
+    (["--tchunks", "3"], f"case 'small': loss_head_chunk=3 must divide num_query_heads=8 {CHUNK_VALID}"),
+    (["--tchunks", "16"], f"case 'small': loss_head_chunk=16 must divide num_query_heads=8 {CHUNK_VALID}"),
+]
+
+
+@pytest.mark.parametrize("args,message", CLI_CHUNK_ERRORS, ids=["ichunk-negative", "ichunk-too-large",
+                                                                "tchunk-not-divisor", "tchunk-too-large"])
+def test_cli_chunk_error(capfd, tmp_path, args, message):
+    code, lines = _cli(capfd, ["run", "--cases", "small", "--no-progress", "--out", str(tmp_path), *args])
+    _assert_user_error(code, lines, message)
+
+
+def test_cli_implementation_without_the_protocol(capfd, tmp_path):
+    code, lines = _cli(capfd, ["run", "--impl", "json", "--no-progress", "--out", str(tmp_path)])
+    _assert_user_error(code, lines, "implementation 'json' lacks CSAConfig, indexer_forward, "
+                                    "indexer_loss_and_grads (the protocol of docs/API.md")
+
+
+def _missing(d):
+    (d / "tiny.safetensors").unlink()
+
+
+def _truncated(d):
+    p = d / "tiny.safetensors"
+    p.write_bytes(p.read_bytes()[:1000])
+
+
+def _not_safetensors(d):
+    (d / "tiny.safetensors").write_text("this is not a safetensors file, just some text\n")
+
+
+def _old_schema(d):
+    p = d / "tiny.safetensors"
+    tensors, md = read_safetensors(p.read_bytes())
+    p.write_bytes(write_safetensors(tensors, {**md, "schema_version": "0"}))
+
+
+def _missing_tensor(d):
+    p = d / "tiny.safetensors"
+    tensors, md = read_safetensors(p.read_bytes())
+    del tensors["golden.float64.loss.dense"]
+    p.write_bytes(write_safetensors(tensors, md))
+
+
+def _wrong_shape(d):
+    p = d / "tiny.safetensors"
+    _rewrite(p, {"hidden_states": _array(p, "hidden_states")[:, :, :-1]}, fix_manifest=False)
+
+
+def _sha_mismatch(d):
+    p = d / "tiny.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor's data
+    p.write_bytes(bytes(data))
+
+
+def _manifest_missing(d):
+    (d / "MANIFEST.json").unlink()
+
+
+CLI_FIXTURE_ERRORS = [
+    (_missing, ["tiny.safetensors is missing: run `python scripts/regenerate_fixtures.py --case tiny"]),
+    (_truncated, ["tiny.safetensors is truncated or corrupt (", "restore it with `git checkout --"]),
+    (_not_safetensors, ["tiny.safetensors is truncated or corrupt (the header claims"]),
+    (_old_schema, ["tiny.safetensors has schema version '0', this harness reads schema version 1"]),
+    (_missing_tensor, ["tiny.safetensors has no tensor 'golden.float64.loss.dense'"]),
+    (_wrong_shape, ["tensor 'hidden_states' is [1, 16, 15] float32, but case 'tiny'",
+                    "implies [B, S, emb_dim] = [1, 16, 16] float32"]),
+    (_sha_mismatch, ["tiny.safetensors does not match", "MANIFEST.json: expected sha256"]),
+    (_manifest_missing, ["MANIFEST.json is missing"]),
+    (_nan_input, ["tiny.safetensors: tensor 'q_latent' holds nan at index (0, 3, 1) "
+                  "(inputs and parameters must be finite)"]),
+    (_decreasing_positions, ["tensor 'position_ids' holds 2 at index (0, 6) "
+                             "(positions must not decrease inside a document)"]),
+]
+
+
+@pytest.mark.parametrize("damage,needles", CLI_FIXTURE_ERRORS, ids=[d.__name__[1:] for d, _ in CLI_FIXTURE_ERRORS])
+def test_cli_fixture_error(capfd, monkeypatch, copy_dir, tmp_path, damage, needles):
+    """A damaged copy of the fixtures, pointed to by CSA_PARITY_FIXTURES: exit 2, one line
+    naming the file, what is wrong and the fix (goldens reference: no torch needed)."""
+    damage(copy_dir)
+    monkeypatch.setenv("CSA_PARITY_FIXTURES", str(copy_dir))
+    code, lines = _cli(capfd, ["run", "--cases", "tiny", "--dtypes", "float64", "--ichunks", "0",
+                               "--tchunks", "0", "--modes", "forward", "--reference", "goldens",
+                               "--no-progress", "--jobs", "1", "--out", str(tmp_path / "rep")])
+    _assert_user_error(code, lines, str(copy_dir), *needles)
+    assert not (tmp_path / "rep" / "parity.json").exists()  # no report of a run that did not happen
+
+
+def test_cli_nan_fixture_is_an_input_error_whatever_the_implementation(capfd, monkeypatch, copy_dir, tmp_path):
+    """A plug-in that validates nothing still never sees the NaN: the harness refuses the file."""
+    _nan_input(copy_dir)
+    monkeypatch.setenv("CSA_PARITY_FIXTURES", str(copy_dir))
+    code, lines = _cli(capfd, ["run", "--cases", "tiny", "--dtypes", "float64", "--ichunks", "0", "--tchunks", "0",
+                               "--modes", "dense", "--reference", "goldens", "--impl", "plugins.scaled_loss:make_impl",
+                               "--no-progress", "--jobs", "1", "--out", str(tmp_path / "rep")])
+    _assert_user_error(code, lines, "tensor 'q_latent' holds nan at index (0, 3, 1)")
+    manifest = json.loads((copy_dir / "MANIFEST.json").read_text())
+    assert manifest["cases"]["tiny"]["sha256"] == sha256_of((copy_dir / "tiny.safetensors").read_bytes())
+
+
+def test_cli_fixture_error_is_one_line_with_the_progress_bar(capfd, monkeypatch, copy_dir, tmp_path):
+    _missing(copy_dir)
+    monkeypatch.setenv("CSA_PARITY_FIXTURES", str(copy_dir))
+    code, lines = _cli(capfd, ["run", "--cases", "tiny", "--dtypes", "float64", "--ichunks", "0", "--tchunks", "0",
+                               "--modes", "forward", "--reference", "goldens", "--jobs", "1",
+                               "--out", str(tmp_path / "rep")])
+    _assert_user_error(code, lines, "tiny.safetensors is missing")

@@ -1,0 +1,142 @@
+"""Mutation self-test (issue #5): the parity matrix must catch every mistake of
+harness/mutations.py's catalogue, and pass on the unmutated code.
+
+Each mutant is applied to a temporary copy of jax_impl/ (never the committed source) and
+its matrix slice runs in a process of its own that imports the copy (harness/mutation_worker.py,
+forked from a server that holds jax already), judged against the fixture goldens (no torch). A surviving mutant fails its own test,
+named after it; so does a mutant killed only by checks other than the ones its entry
+expects (killed for the wrong reason). `python -m harness.mutations` prints the kill table.
+
+Cost: one forked process per test and one compiled program per point (2-4 s); the
+workers share a JAX persistent compilation cache, so a chunking mutant reuses the clean
+native program. Measured on the 2-core machine: `pytest tests/test_mutations.py -n 2`
+~100 s CPU (forked workers included: the fork server is reaped at session end), ~52 s wall.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from harness.cases import CASES
+from harness.matrix import DTYPES
+from harness.mutations import (
+    CATALOGUE,
+    STAGES,
+    MutationError,
+    Mutant,
+    patch_copy,
+    run_clean,
+    run_mutant,
+    run_worker,
+    slices,
+    stop_forkserver,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK_NAMES = {"exact64", "exact64@sel", "oracle", "oracle@sel", "chunk", "chunk@sel", "topk",
+               "chunk-topk", "isolation", "memory"}
+
+
+@pytest.fixture(scope="session")
+def xla_cache(tmp_path_factory):
+    """One compilation cache for the whole session: under xdist, the workers' common parent."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / "mutation-xla-cache"
+    path.mkdir(exist_ok=True)
+    yield path
+    stop_forkserver()
+
+
+def _describe(outcome) -> str:
+    lines = [f"  {f['message']}" for f in outcome.failed[:6]]
+    if outcome.error:
+        lines.append(f"  worker error: {outcome.error}")
+    return "\n".join(lines)
+
+
+# First in the file so that it starts first and fills the compilation cache.
+def test_clean_code_passes_every_slice(xla_cache):
+    points, memory = slices()
+    outcome = run_clean(points, memory, xla_cache)
+    assert outcome.checks > 0
+    assert outcome.passed, (
+        f"the unmutated jax_impl fails {len(outcome.failed)} check(s) of the mutation slices "
+        f"({', '.join(outcome.killing)}), so a killed mutant proves nothing:\n{_describe(outcome)}")
+
+
+@pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.name for m in CATALOGUE])
+def test_mutant_is_killed(mutant: Mutant, xla_cache):
+    outcome = run_mutant(mutant, xla_cache)
+    assert not outcome.passed, (
+        f"mutant {mutant.name!r} SURVIVED ({outcome.checks} checks passed on "
+        f"{', '.join(p.spec() for p in mutant.points) or 'no point'}"
+        f"{' + memory' if mutant.memory else ''}): {mutant.mistake}")
+    expected = set(mutant.killed_by) & set(outcome.killing)
+    assert expected, (
+        f"mutant {mutant.name!r} was killed by {', '.join(outcome.killing)}, none of the expected "
+        f"{', '.join(mutant.killed_by)} (killed for the wrong reason?):\n{_describe(outcome)}")
+
+
+# ----------------------------------------------------------------------------- the catalogue
+
+
+def test_catalogue_is_complete():
+    assert len(CATALOGUE) >= 15
+    names = [m.name for m in CATALOGUE]
+    assert len(set(names)) == len(names), "mutant names must be unique"
+    assert {m.stage for m in CATALOGUE} >= {"pooling", "rope", "scoring", "chunking", "loss"}
+    for m in CATALOGUE:
+        assert m.stage in STAGES, m.name
+        assert m.killed_by and set(m.killed_by) <= CHECK_NAMES, m.name
+        assert m.points or m.memory, f"{m.name}: an empty slice kills nothing"
+        assert ("memory" in m.killed_by) == m.memory, m.name
+        for p in m.points:
+            assert p.case in CASES and p.dtype in DTYPES, m.name
+        # cheap slices: at most 3 compiled programs (a chunked point also needs its native one)
+        programs = {p for p in m.points} | {type(p)(p.case, p.dtype) for p in m.points}
+        assert len(programs) <= 3, m.name
+
+
+def test_every_mutant_still_applies_exactly_once():
+    """A stale catalogue (the source moved on) fails here, by name, before anything runs."""
+    stale = []
+    for m in CATALOGUE:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                target = patch_copy(m, Path(tmp))
+            except MutationError as e:
+                stale.append(str(e))
+                continue
+            assert (target / m.module).read_text() != (ROOT / "jax_impl" / m.module).read_text(), m.name
+    assert not stale, "\n".join(stale)
+
+
+def test_a_stale_entry_fails_loudly(tmp_path):
+    m = Mutant("stale", "scoring", "scoring.py", "this text is not in scoring.py", "", ("exact64",),
+               (), "none")
+    with pytest.raises(MutationError, match=r"mutant 'stale': its `old` text occurs 0 times in "
+                                             r"jax_impl/scoring.py \(expected exactly once\)"):
+        patch_copy(m, tmp_path)
+
+
+def test_the_committed_source_is_never_touched(tmp_path):
+    root = ROOT / "jax_impl"
+    before = {p.name: p.read_bytes() for p in root.glob("*.py")}
+    for m in CATALOGUE[:3]:
+        patch_copy(m, tmp_path / m.name)
+    assert {p.name: p.read_bytes() for p in root.glob("*.py")} == before
+
+
+def test_the_plain_subprocess_worker_imports_the_copy(tmp_path):
+    """`python -m harness.mutation_worker` (the path without a fork server): the editable
+    install's finder must not win; the worker reports the copy it imported."""
+    target = patch_copy(None, tmp_path)
+    report = run_worker(tmp_path, (), memory=False, method="subprocess")
+    assert report["jax_impl_file"] == str(target / "__init__.py")
+    assert report["checks"] == 0 and report["failed"] == []
