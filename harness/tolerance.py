@@ -85,10 +85,14 @@ EXACT64 = 1e-12
 # casts to the compute dtype, so one last-bit difference in an f32 cotangent can
 # flip a bfloat16/float16 rounding: gradients of low-precision runs may move by
 # an ulp of the compute dtype in a few elements.
-# Measured worst on random small problems (3 seeds, every chunk size, dense and sparse):
-#   float32:  fwd 2.1e-6, loss 2.7e-7, grad 6.2e-7
-#   bfloat16: fwd 3.4e-5, loss 9.5e-7, grad 3.1e-3 (0.8 ulp(bf16))
-#   float16:  fwd 8.7e-5, loss 7.7e-7, grad 1.1e-3 (1.1 ulp(f16))
+# Measured worst on random small problems (3 seeds, every chunk size of both knobs, dense
+# and sparse; after jax_impl/precision.round_to made every cast round exactly once):
+#   float32:  fwd 2.4e-6, loss 1.9e-7, grad 5.1e-7
+#   bfloat16: fwd 1.1e-6, loss 1.8e-7, grad 3.1e-3 (0.8 ulp(bf16))
+#   float16:  fwd 8.7e-5, loss 7.7e-7, grad 5.5e-4 (0.6 ulp(f16))
+# (float16 forward stays above bfloat16's: a one-ulp f16 flip of q, from a different
+# float32 FMA contraction of the RoPE products in the narrower program, moves a score by
+# 2^-11 relative; bfloat16 flips are 8x rarer at the same f32 noise.)
 # Each bound is a round number a few times above its measurement and at least
 # 30x below the same-dtype error against the oracle, so it stays tight.
 CHUNK = {
