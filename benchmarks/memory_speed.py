@@ -3,9 +3,10 @@
     python -m benchmarks.memory_speed            # the full run (S = 2048, 8192, 32768)
     python -m benchmarks.memory_speed --quick    # S = 2048 only, chunks native/1/8, 3 timed runs
 
-What is measured, per configuration: the program `jax.jit(jax.value_and_grad(_loss_core))`
-differentiated with respect to the six indexer parameters (dense loss, float32), i.e. the
-same loss `jax_impl.api._loss_and_grads_jit` compiles, less the (all-zero) input gradients.
+What is measured, per configuration: the program `jax.jit(jax.value_and_grad(indexer_loss))`
+of the public, traceable `jax_impl.indexer_loss`, differentiated with respect to the six
+indexer parameters (dense loss, float32), i.e. the same loss `indexer_loss_and_grads`
+compiles, less the (all-zero) input gradients.
 
 * Memory: XLA's compiled memory analysis (`.lower(...).compile().memory_analysis()`) from
   `jax.ShapeDtypeStruct` arguments, so nothing is allocated: temp, argument and output bytes.
@@ -43,8 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl.api import _loss_core
-from jax_impl.config import CSAConfig, resolve_dtype
+from jax_impl import CSAConfig, indexer_loss, resolve_dtype
 from jax_impl.validate import FLOAT_INPUTS, INT_INPUTS, input_shapes, param_shapes
 
 GIB = 2**30
@@ -85,14 +85,14 @@ def bench_config(indexer_head_chunk: int, loss_head_chunk: int, **overrides) -> 
 
 
 def _loss_and_param_grads(params, float_inputs, int_inputs, cfg, dtype_name):
-    return jax.value_and_grad(_loss_core)(params, float_inputs, int_inputs, None, cfg, dtype_name)
+    return jax.value_and_grad(indexer_loss)(params, {**float_inputs, **int_inputs}, cfg, dtype_name)
 
 
 _grad_jit = jax.jit(_loss_and_param_grads, static_argnames=("cfg", "dtype_name"))
 
 
 def _abstract_args(cfg: CSAConfig, batch: int, seq: int, dtype: str):
-    """ShapeDtypeStructs laid out as jax_impl.api._prepare hands them to jit."""
+    """ShapeDtypeStructs laid out as jax_impl.api.prepare_arguments hands them to jit."""
     _, wide = resolve_dtype(dtype)
     params = {k: jax.ShapeDtypeStruct(shape, wide) for k, (_, shape) in param_shapes(cfg).items()}
     shapes = input_shapes(cfg, batch, seq)
@@ -507,7 +507,7 @@ def main(argv=None):
     result = {
         "command": "python -m benchmarks.memory_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
         "shapes": {**ISSUE_SHAPES, "batch": args.batch, "dtype": "float32", "loss": "dense"},
-        "what": "jit(value_and_grad(jax_impl.api._loss_core)) w.r.t. the six indexer parameters",
+        "what": "jit(value_and_grad(jax_impl.indexer_loss)) w.r.t. the six indexer parameters",
         "sweeps": "indexer: teacher chunk 1; teacher: indexer chunk 1; both: equal chunks; chunk 0 = native",
         "environment": {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
                         "machine": platform.machine(), "load_average_at_end": os.getloadavg()},

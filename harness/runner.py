@@ -100,6 +100,9 @@ def _run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, 
     impl, fx = implementation(impl_spec), _fixture(case, directory)
     oracle_selection = fx.goldens["float64"]["topk_indices"]
     dense_cfg = _config(impl, case, ichunk, tchunk, False)
+    validate = getattr(impl.api, "validate_inputs", None)  # optional: host-side value checks
+    if validate is not None:
+        validate(fx.params, fx.inputs, dense_cfg, oracle_selection)
     bundle = getattr(impl.api, "indexer_parity_bundle", None)
     if bundle is not None:
         raw = bundle(fx.params, fx.inputs, dense_cfg, dtype, oracle_selection)

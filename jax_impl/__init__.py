@@ -7,13 +7,14 @@ thin nnx.Module holding the six parameters. No torch here.
 from .api import indexer_forward, indexer_loss, indexer_loss_and_grads, indexer_parity_bundle
 from .config import DTYPES, CSAConfig, resolve_dtype
 from .module import CSAIndexer
-from .validate import PARAM_NAMES, validate_inputs, validate_params
+from .validate import PARAM_NAMES, checkify_inputs, validate_inputs, validate_params
 
 __all__ = [
     "CSAConfig",
     "CSAIndexer",
     "DTYPES",
     "PARAM_NAMES",
+    "checkify_inputs",
     "indexer_forward",
     "indexer_loss",
     "indexer_loss_and_grads",

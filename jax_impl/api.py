@@ -1,8 +1,16 @@
 """Public entry points (docs/API.md): indexer_forward, indexer_loss, indexer_loss_and_grads.
 
-Each validates its arguments on the host first (a clear ValueError, never a
-trace from inside XLA), then calls a function jitted with the config and the
-dtype name static, compiled once per (config, dtype, shapes).
+Each is traceable: it runs on concrete arrays (numpy or jax) AND inside `jax.jit`,
+`jax.grad`, `jax.vmap` (a leading batch of problems) and `shard_map`. First it checks the
+structure of its arguments (names, shapes, dtypes: static under tracing, so the same clear
+one-line ValueError whether the call is traced or not), then it calls a function jitted with
+the config and the dtype name static, compiled once per (config, dtype, shapes); inside an
+outer trace that jit is inlined into the caller's program. Checks of VALUES (NaN, positions,
+selection range) are host-side only: `validate_inputs` (jax_impl.validate), run by the
+caller at its boundary; the entry points never read values.
+
+`prepare_arguments` and `forward_parts` are the steps the entry points share, public for
+the other layers built on them (jax_impl.sharded).
 """
 
 from __future__ import annotations
@@ -19,10 +27,10 @@ from .loss import kl_loss
 from .pooling import compress_keys
 from .precision import round_to
 from .scoring import block_validity, head_weights, mask_scores, raw_scores, topk_indices
-from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, validate_inputs, validate_params
+from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check_params, check_selection
 
 
-def _forward_core(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=None, prepare_keys=None,
+def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=None, prepare_keys=None,
                   reduce_scores=None):
     """Keys, masked scores, validity and top-k from wide params (SPEC sections 5-7).
 
@@ -51,14 +59,14 @@ def _forward_core(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))
 def _forward_jit(params, inputs, cfg, dtype_name):
-    keys, masked, _, topk = _forward_core(params, inputs, cfg, dtype_name)
+    keys, masked, _, topk = forward_parts(params, inputs, cfg, dtype_name)
     return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
 
 
 def _loss_core(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     dtype, wide = resolve_dtype(dtype_name)
     inputs = {**float_inputs, **int_inputs}
-    _, masked, valid, topk = _forward_core(params, inputs, cfg, dtype_name)
+    _, masked, valid, topk = forward_parts(params, inputs, cfg, dtype_name)
     return kl_loss(
         masked, valid, topk, inputs["teacher_query"], inputs["teacher_kv"], cfg, dtype, wide, selection
     )
@@ -76,52 +84,53 @@ def _loss_and_grads_jit(params, float_inputs, int_inputs, selection, cfg, dtype_
     return loss, param_grads, input_grads
 
 
-def _prepare(params, inputs, cfg, dtype, selection=None):
-    """Validate on the host, then hand jit device arrays: params widened, inputs as stored."""
+def _as_jax(value, dtype=None):
+    """A jax array of `value` (already checked to be array-like); tracers pass through."""
+    if not isinstance(value, jax.Array):
+        value = np.asarray(value)
+    return jnp.asarray(value, dtype)
+
+
+def prepare_arguments(params, inputs, cfg: CSAConfig, dtype: str, selection=None, teacher: bool = True):
+    """Check the structure of the arguments (trace-safe: shapes and dtypes only) and hand
+    back what the jitted programs take: (params widened to the wide dtype, the float inputs
+    as given, the int inputs as int32, the selection as int32 or None). `teacher=False`:
+    the forward, which needs no teacher inputs (they are then left out)."""
     if not isinstance(cfg, CSAConfig):
         raise TypeError(f"cfg must be a jax_impl.CSAConfig, got {type(cfg).__name__}")
     _, wide = resolve_dtype(dtype)
-    validate_params(params, cfg)
-    validate_inputs(inputs, cfg)
-    wide_params = {k: jnp.asarray(np.asarray(params[k]), wide) for k in PARAM_NAMES}
-    float_inputs = {k: jnp.asarray(inputs[k]) for k in FLOAT_INPUTS}
-    int_inputs = {k: jnp.asarray(inputs[k], jnp.int32) for k in INT_INPUTS}
+    params = check_params(params, cfg)
+    arrays = check_inputs(inputs, cfg, teacher)
     if selection is not None:
-        selection = _check_selection(selection, inputs, cfg)
+        b, s = arrays["position_ids"].shape
+        selection = _as_jax(check_selection(selection, cfg, b, s), jnp.int32)
+    wide_params = {k: _as_jax(params[k]).astype(wide) for k in PARAM_NAMES}
+    float_inputs = {k: _as_jax(arrays[k]) for k in FLOAT_INPUTS if k in arrays}
+    int_inputs = {k: _as_jax(arrays[k], jnp.int32) for k in INT_INPUTS}
     return wide_params, float_inputs, int_inputs, selection
 
 
-def _check_selection(selection, inputs, cfg):
-    b, s = np.shape(inputs["position_ids"])
-    w = cfg.num_blocks(s)
-    expected = (b, s, min(cfg.index_topk, w))
-    sel = np.asarray(selection)
-    if sel.shape != expected or not np.issubdtype(sel.dtype, np.integer):
-        raise ValueError(
-            f"selection has shape {sel.shape} and dtype {sel.dtype}; expected integer [B, S, k_eff] = {list(expected)}"
-        )
-    out_of_range = (sel < -1) | (sel >= w)
-    if out_of_range.any():
-        idx = tuple(int(i) for i in np.argwhere(out_of_range)[0])
-        raise ValueError(f"selection has value {int(sel[idx])} at index {idx}; expected -1 <= value < W = {w}")
-    return jnp.asarray(sel, jnp.int32)
-
-
 def indexer_forward(params, inputs, cfg: CSAConfig, dtype: str):
-    """Compressed keys [B,W,DI], masked scores [B,S,W] (wide) and top-k indices [B,S,k_eff]."""
-    wide_params, float_inputs, int_inputs, _ = _prepare(params, inputs, cfg, dtype)
+    """Compressed keys [B,W,DI], masked scores [B,S,W] (wide) and top-k indices [B,S,k_eff].
+
+    Needs only the indexer's inputs (hidden_states, q_latent, position_ids, segment_ids)."""
+    wide_params, float_inputs, int_inputs, _ = prepare_arguments(params, inputs, cfg, dtype, teacher=False)
     return _forward_jit(wide_params, {**float_inputs, **int_inputs}, cfg, dtype)
 
 
 def indexer_loss(params, inputs, cfg: CSAConfig, dtype: str, selection=None):
-    """The scalar KL loss (wide dtype); `selection` replaces the own top-k in sparse mode."""
-    args = _prepare(params, inputs, cfg, dtype, selection)
+    """The scalar KL loss (wide dtype); `selection` replaces the own top-k in sparse mode.
+
+    Differentiable with respect to `params` from outside (`jax.grad(indexer_loss)`): the
+    parameters are widened inside, so their gradients come back in the parameters' dtype."""
+    args = prepare_arguments(params, inputs, cfg, dtype, selection)
     return _loss_jit(*args, cfg, dtype)
 
 
 def indexer_loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection=None):
-    """(loss, gradients of the six parameters, gradients of the four float inputs)."""
-    args = _prepare(params, inputs, cfg, dtype, selection)
+    """(loss, gradients of the six parameters, gradients of the four float inputs), the
+    parameter gradients in the wide dtype (differentiated with respect to the widened copy)."""
+    args = prepare_arguments(params, inputs, cfg, dtype, selection)
     return _loss_and_grads_jit(*args, cfg, dtype)
 
 
@@ -133,7 +142,7 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     dtype, wide = resolve_dtype(dtype_name)
 
     def scores_fn(params, float_inputs):
-        keys, masked, valid, topk = _forward_core(params, {**float_inputs, **int_inputs}, cfg, dtype_name)
+        keys, masked, valid, topk = forward_parts(params, {**float_inputs, **int_inputs}, cfg, dtype_name)
         return masked, (keys, valid, topk)
 
     masked, pullback, (keys, valid, topk) = jax.vjp(scores_fn, params, float_inputs, has_aux=True)
@@ -168,5 +177,5 @@ def indexer_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, selection)
     (loss, param_grads, input_grads)}, the last with `selection` imposed. `cfg.sparse_loss`
     is ignored (all modes are computed). An optional extension of the protocol
     (docs/API.md): it exists to compile once instead of four times per matrix point."""
-    args = _prepare(params, inputs, cfg, dtype, selection)
+    args = prepare_arguments(params, inputs, cfg, dtype, selection)
     return _bundle_jit(*args, cfg, dtype)

@@ -46,14 +46,20 @@ def _queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
     return apply_rope(q, position_ids[:, :, None], cfg.rope_head_dim, cfg.rope_theta, wide)
 
 
-@jax.custom_vjp
-def _head_contribution(q, keys, hw):
+def head_contribution_autodiff(q, keys, hw):
     """sum_h hw[b,s,h] * relu(q[b,s,h] . K[b,j]) for the heads in q: [B, S, W].
 
-    q [B, S, c, DI], keys [B, W, DI] and hw [B, S, c], all in the wide dtype.
+    q [B, S, c, DI], keys [B, W, DI] and hw [B, S, c], all in the wide dtype. Differentiated
+    by plain JAX autodiff; `head_contribution` is the same forward with a hand-written VJP.
     """
     logits = jnp.einsum("bshd,bwd->bshw", q, keys)
     return jnp.sum(hw[..., None] * jax.nn.relu(logits), axis=2)
+
+
+@jax.custom_vjp
+def _head_contribution(q, keys, hw):
+    """`head_contribution_autodiff`'s forward, with the memory-lean VJP below."""
+    return head_contribution_autodiff(q, keys, hw)
 
 
 def _head_contribution_fwd(q, keys, hw):
@@ -79,12 +85,20 @@ def _head_contribution_bwd(res, g):
 
 _head_contribution.defvjp(_head_contribution_fwd, _head_contribution_bwd)
 
+# The public name of the custom-VJP scoring (jax.test_util.check_grads targets it; tests
+# compare it with plain autodiff of `head_contribution_autodiff`).
+head_contribution = _head_contribution
+CONTRIBUTIONS = {"custom": _head_contribution, "autodiff": head_contribution_autodiff}
 
-def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide):
+
+def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "custom"):
     """Unmasked scores [B, S, W] in the wide dtype.
 
-    q_latent, wq_b and keys are in the compute dtype; hw [B, S, HI] is wide.
+    q_latent, wq_b and keys are in the compute dtype; hw [B, S, HI] is wide. `vjp`:
+    "custom" (the hand-written backward, always in the library) or "autodiff" (plain JAX
+    autodiff of the same forward: the tests' yardstick for the custom VJP).
     """
+    _head_contribution = CONTRIBUTIONS[vjp]  # noqa: F811 (the per-call choice of the module's function)
     heads, di, chunk = cfg.index_n_heads, cfg.index_head_dim, cfg.indexer_head_chunk
     keys_wide = keys.astype(wide)
     if chunk == 0:

@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .api import _forward_core, _prepare
+from .api import forward_parts, prepare_arguments
 from .config import CSAConfig, resolve_dtype
 from .loss import kl_per_token, loss_keep, normalise_teacher, teacher_head_sum, teacher_inputs
 from .validate import PARAM_NAMES
@@ -148,7 +148,7 @@ def _local_forward(params, inputs, cfg, dtype_name, m, model_axis):
     transpose of this cast psums those cotangents over `model`); the partial head sums
     are added over `model`.
     """
-    return _forward_core(
+    return forward_parts(
         params, inputs, cfg, dtype_name,
         score_cfg=_local_cfg(cfg, m),
         prepare_keys=lambda keys: jax.lax.pcast(keys, model_axis, to="varying"),
@@ -248,7 +248,7 @@ def _place(tree, specs, mesh):
 
 
 def _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, selection=None):
-    wide_params, float_inputs, int_inputs, selection = _prepare(params, inputs, cfg, dtype, selection)
+    wide_params, float_inputs, int_inputs, selection = prepare_arguments(params, inputs, cfg, dtype, selection)
     check_mesh(cfg, int(np.shape(inputs["position_ids"])[0]), mesh, data_axis, model_axis)
     specs = _input_specs(data_axis, model_axis)
     wide_params = _place(wide_params, _param_specs(model_axis), mesh)

@@ -1,12 +1,27 @@
-"""Host-side checks of params and inputs before anything is traced.
+"""Checks of params and inputs, in two kinds.
 
-Every failure is a ValueError that names the tensor, what it is, and the rule,
-so a wrong shape never surfaces as a broadcasting error from inside XLA and a
-NaN input never surfaces as a parity result.
+Structure (trace time): names, ranks, shapes and dtypes. They need no values, so they
+run on numpy arrays, jax arrays, tracers (under `jax.jit`, `jax.grad`, `jax.vmap`,
+`shard_map`) and `jax.ShapeDtypeStruct`s alike; every public entry point runs them
+first, so a wrong shape is one clear line also when the call is traced, never a
+broadcasting error from inside XLA. `check_params`, `check_inputs`, `check_selection`.
+
+Values (host side only): NaN/Inf in a float tensor, negative or decreasing positions,
+selection indices out of range. They need the numbers, which a tracer does not have, so
+they live in `validate_inputs` (and `CSAIndexer.validate`), which a caller runs on
+concrete arrays at its boundary: the harness before a matrix point, a user before a
+training loop. The entry points never run them, whether or not their arguments are
+concrete: a value check that silently ran on some calls and not on others would be
+worse than one that is documented to run only when asked. Inside `jit` use
+`jax.experimental.checkify` with `checkify_inputs` (the same rules, as checkify checks).
+
+Every failure is a ValueError that names the tensor, what it is and the rule.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 PARAM_NAMES = (
@@ -19,6 +34,8 @@ PARAM_NAMES = (
 )
 FLOAT_INPUTS = ("hidden_states", "q_latent", "teacher_query", "teacher_kv")
 INT_INPUTS = ("position_ids", "segment_ids")
+INDEXER_INPUTS = ("hidden_states", "q_latent", "position_ids", "segment_ids")
+TEACHER_INPUTS = ("teacher_query", "teacher_kv")
 
 
 def param_shapes(cfg) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -47,58 +64,129 @@ def input_shapes(cfg, batch: int, seq: int) -> dict[str, tuple[str, tuple[int, .
     }
 
 
-def _as_host(kind: str, name: str, value) -> np.ndarray:
+# --------------------------------------------------------------------------- structure (trace time)
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
+def as_array(kind: str, name: str, value):
+    """`value` itself when it is already an array (numpy, jax, a tracer or a ShapeDtypeStruct:
+    only its shape and dtype are read), else numpy's reading of it (a list, a CPU tensor)."""
+    if isinstance(value, _ARRAY_TYPES):
+        return value
     try:
         return np.asarray(value)
     except Exception as exc:  # e.g. a torch tensor that needs grad, a ragged list
         raise ValueError(f"{kind}[{name!r}] cannot be read as an array: {exc}") from None
 
 
-def _check_float(kind: str, name: str, arr: np.ndarray) -> None:
-    if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
-        raise ValueError(f"{kind}[{name!r}] has dtype {arr.dtype}; expected a floating dtype")
+def _check_float_dtype(kind: str, name: str, arr) -> None:
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise ValueError(f"{kind}[{name!r}] has dtype {np.dtype(arr.dtype)}; expected a floating dtype")
+
+
+def _check_int_dtype(kind: str, name: str, arr) -> None:
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{kind}[{name!r}] has dtype {np.dtype(arr.dtype)}; expected an integer dtype")
+
+
+def _check_shape(kind: str, name: str, arr, symbolic: str, expected: tuple[int, ...]) -> None:
+    if tuple(arr.shape) != expected:
+        raise ValueError(
+            f"{kind}[{name!r}] has shape {tuple(arr.shape)}; expected {symbolic} = {list(expected)}"
+        )
+
+
+def check_params(params, cfg) -> dict:
+    """Names, shapes and float dtypes of the six parameters; returns them as arrays. Trace-safe."""
+    if not isinstance(params, dict):
+        raise ValueError(f"params must be a dict keyed by canonical names, got {type(params).__name__}")
+    out = {}
+    for name, (symbolic, expected) in param_shapes(cfg).items():
+        if name not in params:
+            raise ValueError(f"missing param {name!r}")
+        arr = as_array("params", name, params[name])
+        _check_shape("params", name, arr, symbolic, expected)
+        _check_float_dtype("params", name, arr)
+        out[name] = arr
+    return out
+
+
+def check_inputs(inputs, cfg, teacher: bool = True) -> dict:
+    """Names, ranks, shapes and dtypes of the inputs (the teacher's two only when `teacher`);
+    returns them as arrays. Trace-safe."""
+    if not isinstance(inputs, dict):
+        raise ValueError(f"inputs must be a dict keyed by SPEC names, got {type(inputs).__name__}")
+    names = (*INDEXER_INPUTS, *TEACHER_INPUTS) if teacher else INDEXER_INPUTS
+    for name in (*FLOAT_INPUTS, *INT_INPUTS):
+        if name in names and name not in inputs:
+            raise ValueError(f"missing input {name!r}")
+    arrays = {name: as_array("inputs", name, inputs[name]) for name in names}
+    hs = arrays["hidden_states"]
+    if len(hs.shape) != 3:
+        raise ValueError(f"inputs['hidden_states'] has shape {tuple(hs.shape)}; expected [B, S, emb_dim] (rank 3)")
+    shapes = input_shapes(cfg, hs.shape[0], hs.shape[1])
+    for name in names:
+        _check_shape("inputs", name, arrays[name], *shapes[name])
+    for name in names:
+        if name in FLOAT_INPUTS:
+            _check_float_dtype("inputs", name, arrays[name])
+    for name in INT_INPUTS:
+        _check_int_dtype("inputs", name, arrays[name])
+    return arrays
+
+
+def check_selection(selection, cfg, batch: int, seq: int):
+    """Shape [B, S, k_eff] and integer dtype of an imposed top-k selection. Trace-safe."""
+    expected = (batch, seq, min(cfg.index_topk, cfg.num_blocks(seq)))
+    sel = as_array("selection", "selection", selection)
+    if tuple(sel.shape) != expected or not jnp.issubdtype(sel.dtype, jnp.integer):
+        raise ValueError(
+            f"selection has shape {tuple(sel.shape)} and dtype {np.dtype(sel.dtype)}; "
+            f"expected integer [B, S, k_eff] = {list(expected)}"
+        )
+    return sel
+
+
+# --------------------------------------------------------------------------- values (host side)
+
+
+def _host(label: str, value) -> np.ndarray:
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(
+            f"{label} is a traced value: validate_inputs reads values and runs on the host, "
+            "before jit/grad/vmap (inside jit use jax_impl.checkify_inputs under jax.experimental.checkify)"
+        )
+    return np.asarray(value)
+
+
+def _check_finite(kind: str, name: str, arr: np.ndarray) -> None:
     finite = np.isfinite(arr.astype(np.float64))
     if not finite.all():
         where = tuple(int(i) for i in np.argwhere(~finite)[0])
         raise ValueError(f"{kind}[{name!r}] contains NaN/Inf at index {where}")
 
 
-def _check_shape(kind: str, name: str, arr: np.ndarray, symbolic: str, expected: tuple[int, ...]) -> None:
-    if arr.shape != expected:
-        raise ValueError(
-            f"{kind}[{name!r}] has shape {tuple(arr.shape)}; expected {symbolic} = {list(expected)}"
-        )
-
-
 def validate_params(params, cfg) -> None:
-    if not isinstance(params, dict):
-        raise ValueError(f"params must be a dict keyed by canonical names, got {type(params).__name__}")
-    for name, (symbolic, expected) in param_shapes(cfg).items():
-        if name not in params:
-            raise ValueError(f"missing param {name!r}")
-        arr = _as_host("params", name, params[name])
-        _check_shape("params", name, arr, symbolic, expected)
-        _check_float("params", name, arr)
+    """Structure and values (all finite) of the six parameters. Host side only."""
+    for name, arr in check_params(params, cfg).items():
+        _check_finite("params", name, _host(f"params[{name!r}]", arr))
 
 
-def validate_inputs(inputs, cfg) -> None:
-    if not isinstance(inputs, dict):
-        raise ValueError(f"inputs must be a dict keyed by SPEC names, got {type(inputs).__name__}")
-    for name in (*FLOAT_INPUTS, *INT_INPUTS):
-        if name not in inputs:
-            raise ValueError(f"missing input {name!r}")
-    hs = _as_host("inputs", "hidden_states", inputs["hidden_states"])
-    if hs.ndim != 3:
-        raise ValueError(f"inputs['hidden_states'] has shape {tuple(hs.shape)}; expected [B, S, emb_dim] (rank 3)")
-    arrays = {name: _as_host("inputs", name, inputs[name]) for name in (*FLOAT_INPUTS, *INT_INPUTS)}
-    for name, (symbolic, expected) in input_shapes(cfg, hs.shape[0], hs.shape[1]).items():
-        _check_shape("inputs", name, arrays[name], symbolic, expected)
+def validate_inputs(params, inputs, cfg, selection=None, *, teacher: bool = True) -> None:
+    """Every check of params, inputs (and an imposed `selection`), structure and values:
+    finite floats, positions >= 0 and non-decreasing inside a document, selection indices in
+    [-1, W). Host side only: call it on concrete arrays before jit / a training loop (the
+    entry points check structure only). `params=None` checks the inputs alone; `teacher=False`
+    leaves out the teacher's two inputs (forward only)."""
+    if params is not None:
+        validate_params(params, cfg)
+    arrays = check_inputs(inputs, cfg, teacher)
+    host = {name: _host(f"inputs[{name!r}]", arr) for name, arr in arrays.items()}
     for name in FLOAT_INPUTS:
-        _check_float("inputs", name, arrays[name])
-    for name in INT_INPUTS:
-        if not np.issubdtype(arrays[name].dtype, np.integer):
-            raise ValueError(f"inputs[{name!r}] has dtype {arrays[name].dtype}; expected an integer dtype")
-    pos, seg = arrays["position_ids"].astype(np.int64), arrays["segment_ids"]
+        if name in host:
+            _check_finite("inputs", name, host[name])
+    pos, seg = host["position_ids"].astype(np.int64), host["segment_ids"]
     if pos.size and pos.min() < 0:
         where = tuple(int(i) for i in np.argwhere(pos < 0)[0])
         raise ValueError(f"inputs['position_ids'] has a negative position {pos[where]} at (b, s)={where}")
@@ -109,3 +197,46 @@ def validate_inputs(inputs, cfg) -> None:
             f"inputs['position_ids'] decreases inside a document at (b, s)=({b}, {s + 1}): "
             f"{pos[b, s]} -> {pos[b, s + 1]}"
         )
+    if selection is not None:
+        b, s = pos.shape
+        sel = _host("selection", check_selection(selection, cfg, b, s))
+        w = cfg.num_blocks(s)
+        out_of_range = (sel < -1) | (sel >= w)
+        if out_of_range.any():
+            idx = tuple(int(i) for i in np.argwhere(out_of_range)[0])
+            raise ValueError(f"selection has value {int(sel[idx])} at index {idx}; expected -1 <= value < W = {w}")
+
+
+# --------------------------------------------------------------------------- values, inside jit
+
+
+def _first_index(bad):
+    """The index of the first True of `bad` as a tuple of traced ints (all 0 when none)."""
+    return jnp.unravel_index(jnp.argmax(bad.ravel()), bad.shape)
+
+
+def _check_none(checkify, bad, message, args):
+    """checkify.check that no element of `bad` is True (nothing to check when it is empty)."""
+    if bad.size:
+        checkify.check(~jnp.any(bad), message, *args(*_first_index(bad)))
+
+
+def checkify_inputs(params, inputs, cfg, *, teacher: bool = True) -> None:
+    """The value rules of `validate_inputs` (finite params and float inputs, positions >= 0 and
+    non-decreasing inside a document) as `jax.experimental.checkify` checks: traceable, for use
+    inside a function wrapped by `checkify.checkify(f, errors=checkify.user_checks)`; the error
+    names the tensor and the first offending index like the host check does."""
+    from jax.experimental import checkify
+
+    floats = {f"params[{k!r}]": v for k, v in check_params(params, cfg).items()}
+    arrays = check_inputs(inputs, cfg, teacher)
+    floats.update({f"inputs[{k!r}]": v for k, v in arrays.items() if k in FLOAT_INPUTS})
+    for label, arr in floats.items():
+        where = ", ".join(["{}"] * len(arr.shape))
+        _check_none(checkify, ~jnp.isfinite(arr), f"{label} contains NaN/Inf at index ({where})", lambda *i: i)
+    pos, seg = arrays["position_ids"], arrays["segment_ids"]
+    _check_none(checkify, pos < 0, "inputs['position_ids'] has a negative position {} at (b, s)=({}, {})",
+                lambda b, s: (pos[b, s], b, s))
+    drops = (pos[:, 1:] < pos[:, :-1]) & (seg[:, 1:] == seg[:, :-1])
+    _check_none(checkify, drops, "inputs['position_ids'] decreases inside a document at (b, s)=({}, {}): {} -> {}",
+                lambda b, s: (b, s + 1, pos[b, s], pos[b, s + 1]))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -146,14 +147,31 @@ MORE_INPUT_ERRORS = [
 ]
 
 
+# The rules that need values (NaN/Inf, negative or decreasing positions): jax_impl checks them
+# on the host in validate_inputs only; every other rule is structure (names, shapes, dtypes),
+# checked by the traceable entry points too, concrete or traced.
+VALUE_RULES = ("contains NaN/Inf", "negative position", "decreases inside a document")
+
+
+def _is_value_rule(message):
+    return any(rule in message for rule in VALUE_RULES)
+
+
 @pytest.mark.parametrize("mutate,message", INPUT_ERRORS, ids=[m for _, m in INPUT_ERRORS])
 def test_jax_input_check_has_the_same_message(mutate, message):
+    """validate_inputs gives torch's message for every rule; a structure rule is also raised by
+    the entry point itself, before anything runs (a value rule is host-side only: documented,
+    and asserted here so that it cannot silently move)."""
     cfg = jax_impl.CSAConfig(**SMALL)
     params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
     mutate(inputs, params)
-    with pytest.raises(ValueError) as e:  # raised on the host, before anything is traced
-        jax_impl.indexer_loss_and_grads(params, inputs, cfg, "float32")
+    with pytest.raises(ValueError) as e:
+        jax_impl.validate_inputs(params, inputs, cfg)
     assert str(e.value) == message
+    if not _is_value_rule(message):
+        with pytest.raises(ValueError) as e:
+            jax_impl.indexer_loss_and_grads(params, inputs, cfg, "float32")
+        assert str(e.value) == message
 
 
 @pytest.mark.parametrize("side", SIDES, ids=SIDE_IDS)
@@ -163,14 +181,94 @@ def test_input_check(side, mutate, message):
     params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
     mutate(inputs, params)
     with pytest.raises(ValueError) as e:
-        side.indexer_loss_and_grads(params, inputs, cfg, "float32")
+        if side is jax_impl and _is_value_rule(message):
+            jax_impl.validate_inputs(params, inputs, cfg)  # host-side only on the jax side
+        else:
+            side.indexer_loss_and_grads(params, inputs, cfg, "float32")
+    assert str(e.value) == message
+
+
+# Structure faults (shape, rank, dtype) under jax.jit and jax.vmap:
+# the same one line, raised while tracing.
+TRACED_ERRORS = [(mutate, message) for mutate, message in INPUT_ERRORS + MORE_INPUT_ERRORS
+                 if not _is_value_rule(message) and "missing" not in message]
+
+
+@pytest.mark.parametrize("mutate,message", TRACED_ERRORS, ids=[m for _, m in TRACED_ERRORS])
+def test_jax_structure_error_is_the_same_line_when_traced(mutate, message):
+    cfg = jax_impl.CSAConfig(**SMALL)
+    params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
+    mutate(inputs, params)
+    # Under jit every leaf is a tracer; int64 positions are traced as int32 without x64.
+    loss = jax.jit(lambda p, x: jax_impl.indexer_loss(p, x, cfg, "float32"))
+    with pytest.raises(ValueError) as e:
+        loss(params, inputs)
+    assert str(e.value) == message
+    stack = {k: np.stack([v, v]) for k, v in params.items()}, {k: np.stack([v, v]) for k, v in inputs.items()}
+    with pytest.raises(ValueError) as e:  # vmap over two stacked problems: the rule is per problem
+        jax.vmap(lambda p, x: jax_impl.indexer_loss(p, x, cfg, "float32"))(*stack)
+    assert str(e.value) == message
+
+
+def test_jax_wrong_shape_under_jit_and_vmap_names_the_argument():
+    """The issue's case: a wrong shape inside jax.jit, and inside jax.vmap (where the rule
+    applies to one problem of the stack), is one line naming the argument, shape and rule."""
+    cfg = jax_impl.CSAConfig(**SMALL)
+    params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
+    bad = dict(inputs, q_latent=inputs["q_latent"][:, :, :31])
+    with pytest.raises(ValueError) as e:
+        jax.jit(lambda p, x: jax_impl.indexer_forward(p, x, cfg, "float32"))(params, bad)
+    assert str(e.value) == "inputs['q_latent'] has shape (2, 64, 31); expected [B, S, q_lora_rank] = [2, 64, 32]"
+    stacked = {k: np.stack([v, v]) for k, v in bad.items()}
+    with pytest.raises(ValueError) as e:
+        jax.vmap(lambda x: jax_impl.indexer_loss(params, x, cfg, "float32"))(stacked)
+    assert str(e.value) == "inputs['q_latent'] has shape (2, 64, 31); expected [B, S, q_lora_rank] = [2, 64, 32]"
+
+
+def test_jax_value_checks_refuse_a_tracer_instead_of_skipping():
+    """validate_inputs reads values; handed a tracer it says so, it never passes silently."""
+    cfg = jax_impl.CSAConfig(**SMALL)
+    params, inputs = make_params(cfg), make_inputs(cfg, 1, 16)
+    with pytest.raises(ValueError) as e:
+        jax.jit(lambda x: jax_impl.validate_inputs(params, x, cfg))(inputs)
+    assert str(e.value).startswith("inputs['hidden_states'] is a traced value: validate_inputs reads values")
+
+
+CHECKIFY_ERRORS = [
+    (_at("q_latent", (0, 3, 1), np.nan), "inputs['q_latent'] contains NaN/Inf at index (0, 3, 1)"),
+    (lambda inputs, params: params["indexer.wgate"].__setitem__((5, 7), np.inf),
+     "params['indexer.wgate'] contains NaN/Inf at index (5, 7)"),
+    (_at("position_ids", (1, 0), -1), "inputs['position_ids'] has a negative position -1 at (b, s)=(1, 0)"),
+    (_at("position_ids", (0, 5), 3), "inputs['position_ids'] decreases inside a document at (b, s)=(0, 5): 4 -> 3"),
+]
+
+
+@pytest.mark.parametrize("mutate,message", CHECKIFY_ERRORS, ids=[m for _, m in CHECKIFY_ERRORS])
+def test_jax_checkify_variant_reports_the_value_rule_inside_jit(mutate, message):
+    from jax.experimental import checkify
+
+    cfg = jax_impl.CSAConfig(**SMALL)
+    params, inputs = make_params(cfg), make_inputs(cfg, 2, 16)
+
+    def checked(p, x):
+        jax_impl.checkify_inputs(p, x, cfg)
+        return jax_impl.indexer_loss(p, x, cfg, "float32")
+
+    run = jax.jit(checkify.checkify(checked, errors=checkify.user_checks))
+    err, loss = run(params, inputs)
+    assert err.get() is None and np.isfinite(loss)  # the clean problem passes
+    mutate(inputs, params)
+    err, _ = run(params, inputs)
+    assert err.get() is not None and err.get().startswith(message), err.get()
+    with pytest.raises(ValueError) as e:  # the host check says the same
+        jax_impl.validate_inputs(params, inputs, cfg)
     assert str(e.value) == message
 
 
 def test_jax_accepts_positions_that_restart_at_a_document():
     cfg = jax_impl.CSAConfig(**SMALL)
     inputs = make_inputs(cfg, 2, 64, docs=[20, 44])
-    jax_impl.validate_inputs(inputs, cfg)  # legal: a new document restarts at 0
+    jax_impl.validate_inputs(None, inputs, cfg)  # legal: a new document restarts at 0
 
 
 # ----------------------------------------------------------------------------- fixtures
