@@ -8,7 +8,8 @@
    round-off ~ 1e-16 / eps = 1e-10), atol = rtol = 1e-5 (check_grads' float64 default; the
    checks compare one random projection, so the finite-difference error above sits 1e5x
    below it). Away from ReLU kinks: every logit q . K that the ReLU sees is asserted to be
-   at least MARGIN = 1e-3 from 0, while a finite-difference step moves a logit by at most
+   at least MARGIN = 1e-3 from 0 (measured at the points below: 0.0165 for the VJP, 0.0151
+   for the loss), while a finite-difference step moves a logit by at most
    eps * (|dq| |K| + |q| |dK|) ~ 1e-6 * 10: no step crosses a kink.
 2. The custom VJP against plain JAX autodiff of the same forward (`raw_scores(...,
    vjp="autodiff")`), at every chunk size (0 and every divisor of the heads), float32 and
@@ -35,7 +36,7 @@ EPS = 1e-6
 TOL = 1e-5
 MARGIN = 1e-3
 # custom VJP vs autodiff, max |diff| / max |autodiff grad|. Measured worst over the chunk sizes
-# and gradients below: float64 3.3e-16, float32 3.6e-7 (the float32 bound leaves 28x room for
+# and gradients below: float64 3.5e-16, float32 4.4e-7 (the float32 bound leaves 23x room for
 # another CPU's blocking; float64 the 1e-12 of harness.tolerance.EXACT64).
 GRAD_RTOL = {"float64": 1e-12, "float32": 1e-5}
 

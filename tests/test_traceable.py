@@ -8,7 +8,7 @@ transformation hands XLA another program (jit(grad(loss)) is not loss_and_grads'
 vmap batches every GEMM), and XLA may fuse and block its float32 sums differently. So
 every float comparison allows float32 summation order, RTOL = 1e-6 of the largest
 magnitude of the tensor (the chunk-vs-native bound of harness/tolerance.py is of the same
-kind, 1e-5 forward / 4e-6 gradients); measured worst over this file: 2.4e-7. Top-k indices
+kind, 1e-5 forward / 4e-6 gradients); measured worst over this file: 2.9e-7 (vmap). Top-k indices
 and the -inf pattern are compared exactly, input gradients are exactly zero.
 """
 
@@ -27,7 +27,7 @@ import jax_impl
 from problems import SMALL, random_problem
 
 CFG = jax_impl.CSAConfig(**SMALL, indexer_head_chunk=2, loss_head_chunk=4)
-RTOL = 1e-6  # float32 summation order of another program (see the docstring); measured <= 2.4e-7
+RTOL = 1e-6  # float32 summation order of another program (see the docstring); measured <= 2.9e-7
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +193,17 @@ def test_layer_validate_checks_values_on_the_host(problem):
         module.validate(bad)
     with pytest.raises(ValueError, match=r"^dtype='int8' is not supported"):
         jax_impl.CSAIndexer(CFG, dtype="int8", rngs=nnx.Rngs(0))
+
+
+def test_readme_section_runs_as_written():
+    """The "Use it in your model" section of README.md, executed as it stands."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text[text.index("## Use it in your model"):]
+    section = section[: section.index("\n## ", 3)]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {"__name__": "readme"}
+    exec(compile(code, "README.md: Use it in your model", "exec"), namespace)
+    assert namespace["scores"].shape == (2, 32, 8)
