@@ -116,7 +116,7 @@ def train(cfg: jax_impl.CSAConfig, inputs: dict, dtype: str, steps: int, lr: flo
         params = model.params()
         reference = jax.grad(jax_impl.indexer_loss)(params, inputs, reference_cfg, "float32")
         optimizer.update(model, grads)
-        own = {name: getattr(grads, name.split(".", 1)[1])[...] for name in jax_impl.PARAM_NAMES}
+        own = jax_impl.CSAIndexer.canonical(grads)
         return loss, flat(params), jnp.linalg.norm(flat(own) - flat(reference))
 
     run = Run([], [], [])

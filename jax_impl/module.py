@@ -53,6 +53,13 @@ class CSAIndexer(nnx.Module):
         """The parameters as a plain dict keyed by canonical name (the pure functions' form)."""
         return {name: getattr(self, _ATTR[name])[...] for name in PARAM_NAMES}
 
+    @staticmethod
+    def canonical(tree) -> dict:
+        """A tree shaped like the layer's parameters (e.g. `nnx.grad`'s result) as a plain dict
+        keyed by canonical name."""
+        pure = nnx.to_pure_dict(tree)
+        return {name: pure[_ATTR[name]] for name in PARAM_NAMES}
+
     def validate(self, inputs: dict, selection=None, *, teacher: bool = True) -> None:
         """Every check of `inputs` (and the layer's parameters), values included: host side,
         concrete arrays only (see jax_impl.validate_inputs). Call it before a training loop."""

@@ -152,12 +152,13 @@ def check_selection(selection, cfg, batch: int, seq: int):
 
 
 def _host(label: str, value) -> np.ndarray:
-    if isinstance(value, jax.core.Tracer):
+    try:
+        return np.asarray(value)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         raise ValueError(
             f"{label} is a traced value: validate_inputs reads values and runs on the host, "
             "before jit/grad/vmap (inside jit use jax_impl.checkify_inputs under jax.experimental.checkify)"
-        )
-    return np.asarray(value)
+        ) from None
 
 
 def _check_finite(kind: str, name: str, arr: np.ndarray) -> None:

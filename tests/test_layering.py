@@ -60,3 +60,36 @@ def test_the_static_check_sees_an_offending_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\nfrom torch.nn import functional\nimport importlib\nimportlib.import_module('jax.numpy')\n")
     assert {"torch", "jax"} <= _imported_roots(bad)
+
+
+PROJECT = {"jax_impl", "torch_ref", "harness", "benchmarks", "examples"}
+
+
+def _private_imports(path: Path) -> list[str]:
+    """`from <project module> import _name` and relative `from .x import _name` (issue 12: the
+    benchmark reached for api._loss_core, sharded for api._forward_core / _prepare)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            ours = node.level > 0 or (node.module or "").split(".")[0] in PROJECT
+            module_private = any(part.startswith("_") and part != "__init__" for part in (node.module or "").split("."))
+            names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if ours and (names or module_private):
+                found.append(f"from {'.' * node.level}{node.module or ''} import {', '.join(a.name for a in node.names)}")
+    return found
+
+
+def test_nothing_private_is_imported_across_modules():
+    # torch_ref is left out: its reference.py imports config._as_tensor, a room of its own
+    # that issue 12 does not touch (known, listed in the issue-12 report).
+    scanned = ("jax_impl", "harness", "benchmarks", "examples", "tests", "scripts")
+    files = [p for d in scanned for p in sorted((ROOT / d).rglob("*.py"))]
+    offenders = {str(p.relative_to(ROOT)): _private_imports(p) for p in files}
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"private names imported across modules: {offenders}"
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from jax_impl.api import _loss_core\nfrom .api import forward_parts, _prepare\nimport numpy as np\n")
+    assert len(_private_imports(bad)) == 2

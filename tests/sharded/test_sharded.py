@@ -308,3 +308,37 @@ def test_inputs_are_validated_before_the_mesh():
     bad = dict(fx.inputs, q_latent=fx.inputs["q_latent"][:, :, :5])
     with pytest.raises(ValueError, match=re.escape("inputs['q_latent'] has shape (2, 64, 5)")):
         sharded.sharded_loss_and_grads(fx.params, bad, cfg, "float32", mesh)
+
+
+# --------------------------------------------------------------------------- the public API inside shard_map
+
+
+def test_public_loss_and_grads_run_inside_shard_map():
+    """issue 12: jax_impl.indexer_loss_and_grads is traceable, so a user can put it inside their
+    own shard_map: here over a `data` axis of 2 devices, each device's loss of its batch row,
+    pmean-ed (small: every row has the same number of valid tokens, so the mean of the per-row
+    losses is the loss). Against the single-device call, the float64 bound of this file."""
+    fx = _fixture("small")
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    cfg = _cfg("small", 1)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # older JAX
+        from jax.experimental.shard_map import shard_map
+
+    def local(p, x):
+        # The parameters are replicated (invariant over `data`): JAX transposes their implicit
+        # broadcast into a psum, so these gradients are already the SUM over the devices of
+        # each device's gradient, i.e. the gradient of the sum of the per-row losses.
+        loss, grads, _ = jax_impl.indexer_loss_and_grads(p, x, cfg, "float64")
+        return jax.lax.pmean(loss, "data"), grads
+
+    fn = shard_map(local, mesh=mesh, in_specs=(P(), {k: P("data") for k in fx.inputs}), out_specs=(P(), P()))
+    loss, grads = jax.jit(fn)(fx.params, fx.inputs)
+    grads = {k: v / 2 for k, v in grads.items()}  # the gradient of the mean over the 2 devices
+    want_loss, want_grads, _ = jax_impl.indexer_loss_and_grads(fx.params, fx.inputs, cfg, "float64")
+    assert abs(float(loss) - float(want_loss)) <= EXACT64 * abs(float(want_loss))
+    for name in PARAMS:
+        err = float(np.max(np.abs(to_numpy(grads[name]) - to_numpy(want_grads[name]))))
+        assert err <= EXACT64 * float(np.max(np.abs(to_numpy(want_grads[name])))), name
