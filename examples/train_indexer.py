@@ -34,7 +34,10 @@ NEGATIVE curvature (1 + lr nu per step); positive curvature below 2/lr contracts
 lam and nu are estimated by power iteration with Hessian-vector products (reverse over
 reverse: the scoring's custom VJP has no JVP) at steps 0, N/2 and N of the native float32
 run, the largest positive and the most negative eigenvalue, each taken 2x as a margin for
-the points in between and for the iteration's underestimate. In bfloat16 the parameters
+the points in between and for the iteration's underestimate (measured on this problem with
+20/40/80 iterations: largest 0.935/0.935/0.935 at step 0, most negative -0.261/-0.302/-0.303
+at step 0, -0.049/-0.126/-0.136 at step 50, -0.028/-0.103/-0.117 at step 100; 40 are used:
+the negative curvature is largest at the start and shrinks as the loss falls). In bfloat16 the parameters
 are rounded to bfloat16 before use, so g_d is not Lipschitz at bfloat16's grid; the
 derivation never needs it to be: only the float32 reference g is differentiated, and every
 bfloat16 effect is inside the measured r terms.
@@ -130,7 +133,7 @@ def train(cfg: jax_impl.CSAConfig, inputs: dict, dtype: str, steps: int, lr: flo
     return run
 
 
-def hessian_extremes(cfg, inputs, flat_params, template, iterations: int = 30, seed: int = 0):
+def hessian_extremes(cfg, inputs, flat_params, template, iterations: int = 40, seed: int = 0):
     """(largest, smallest) eigenvalue of the float32 loss Hessian at `flat_params`: power
     iteration on H, then on H - largest * I (Hessian-vector products, reverse over reverse)."""
     sizes = [int(np.prod(template[k].shape)) for k in jax_impl.PARAM_NAMES]
