@@ -1,7 +1,9 @@
 """JAX (Flax NNX) implementation of the DeepSeek-V4 CSA lightning indexer and its KL loss.
 
 Pure functions carry the math (pooling, rope, scoring, loss); `CSAIndexer` is a
-thin nnx.Module holding the six parameters. No torch here.
+thin nnx.Module holding the six parameters. The entry points are traceable (jit, grad,
+vmap, shard_map; shapes and dtypes checked while tracing); values are checked on the host
+by `validate_inputs` (or inside jit by `checkify_inputs`). No torch here.
 """
 
 from .api import indexer_forward, indexer_loss, indexer_loss_and_grads, indexer_parity_bundle
