@@ -268,8 +268,10 @@ PINNED: dict[str, Problem] = {
                                     sparse_loss=True, loss_scale=-1.5),
                               batch=1, seq_len=5, seed=11),
     # m=3 with S=10 (not a multiple), HI=3 prime chunk 3 (= HI), H=3 prime chunk 1, D != DI,
-    # k >= W, two packed documents, float32.
+    # DR=4 of DI=6 (theta matters from DR=4: with DR=2 the one frequency is theta**0), k >= W,
+    # two packed documents, float32.
     "m3_prime_heads_packed": Problem(_pcfg(compress_ratio=3, index_n_heads=3, num_query_heads=3, head_dim=5,
+                                           rope_head_dim=4,
                                            index_topk=4, indexer_head_chunk=3, loss_head_chunk=1,
                                            rope_theta=5000.0, loss_scale=0.5),
                                      batch=2, seq_len=10, seed=12, documents=((4, 6), (10,)),
