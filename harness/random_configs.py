@@ -248,24 +248,23 @@ def _pcfg(**fields) -> dict:
     base = dict(emb_dim=6, q_lora_rank=5, index_n_heads=3, index_head_dim=6, rope_head_dim=2,
                 compress_ratio=2, index_topk=2, num_query_heads=2, head_dim=4)
     base.update(fields)
-    out = {}
-    for name, default in CONFIG_FIELDS:
-        out[name] = base.get(name, default)
-    if "query_chunk" in base:
-        out["query_chunk"] = base["query_chunk"]
-    return out
+    # Every field the catalogue knows (harness.cases.CONFIG_FIELDS), defaults filled in. A
+    # knob given here that the catalogue does not know yet (query_chunk until issue 13 lands)
+    # is left out, so the problems stay valid on both sides before and after it exists.
+    return {name: base.get(name, default) for name, default in CONFIG_FIELDS}
 
 
-# Every pinned problem runs in every profile of the property test (hypothesis @example) and
-# is counted by the config-field audit (tests/test_random_configs.py). Tiny: one or two
-# compiled programs per side and dtype, well under a second each on an idle core.
+# Every pinned problem runs as a test of its own (tests/test_random_configs.py::
+# test_pinned_problem) and is counted by the config-field audit (tests/test_config_audit.py).
+# query_chunk (issue 13): 2 (does not divide S=5), 5 (divides S=10), 1, 16 (>= S), 0; it
+# takes effect once the catalogue's CONFIG_FIELDS has the field.
 PINNED: dict[str, Problem] = {
     # m=1 (every token a block), E=R=1, HI=1 with its only chunk 1, DR == DI, k=1, theta not a
     # float32 number, large eps, negative loss scale, sparse.
     "m1_single_head": Problem(_pcfg(emb_dim=1, q_lora_rank=1, compress_ratio=1, index_n_heads=1, index_head_dim=4, rope_head_dim=4,
                                     index_topk=1, num_query_heads=1, head_dim=3, rope_theta=12345.678,
                                     norm_eps=0.25, indexer_head_chunk=1, loss_head_chunk=1,
-                                    sparse_loss=True, loss_scale=-1.5),
+                                    sparse_loss=True, loss_scale=-1.5, query_chunk=2),
                               batch=1, seq_len=5, seed=11),
     # m=3 with S=10 (not a multiple), HI=3 prime chunk 3 (= HI), H=3 prime chunk 1, D != DI,
     # DR=4 of DI=6 (theta matters from DR=4: with DR=2 the one frequency is theta**0), k >= W,
@@ -273,20 +272,22 @@ PINNED: dict[str, Problem] = {
     "m3_prime_heads_packed": Problem(_pcfg(compress_ratio=3, index_n_heads=3, num_query_heads=3, head_dim=5,
                                            rope_head_dim=4,
                                            index_topk=4, indexer_head_chunk=3, loss_head_chunk=1,
-                                           rope_theta=5000.0, loss_scale=0.5),
+                                           rope_theta=5000.0, loss_scale=0.5, query_chunk=5),
                                      batch=2, seq_len=10, seed=12, documents=((4, 6), (10,)),
                                      dtype="float32"),
     # HI=6 composite with chunk 2 (strictly between 1 and HI: 3 scan steps), H=4 chunk 2,
     # D != DI, W=1 (S=5, m=4: one block), bfloat16.
     "composite_chunks_w1": Problem(_pcfg(compress_ratio=4, index_n_heads=6, num_query_heads=4, head_dim=3,
                                          index_head_dim=4, rope_head_dim=0, index_topk=1,
-                                         indexer_head_chunk=2, loss_head_chunk=2, norm_eps=1e-3),
+                                         indexer_head_chunk=2, loss_head_chunk=2, norm_eps=1e-3,
+                                         query_chunk=1),
                                    batch=2, seq_len=5, seed=13, dtype="bfloat16"),
     # HI=4 chunk 2 with D != DI (the chunk's wq_b columns), H=5 prime, m=2 over 4 blocks,
     # S < m on no row but W=4, k=3, sparse, float64 only.
     "chunk_between_d_ne_di": Problem(_pcfg(compress_ratio=2, index_n_heads=4, index_head_dim=4, rope_head_dim=2,
                                            num_query_heads=5, head_dim=6, index_topk=3, indexer_head_chunk=2,
-                                           loss_head_chunk=5, sparse_loss=True, rope_theta=777.0),
+                                           loss_head_chunk=5, sparse_loss=True, rope_theta=777.0,
+                                           query_chunk=16),
                                      batch=1, seq_len=9, seed=14),
     # S < m: W = 0, every output empty (chunked knobs too), loss 0.
     "no_blocks": Problem(_pcfg(compress_ratio=4, index_n_heads=2, indexer_head_chunk=1, loss_head_chunk=2),

@@ -37,7 +37,7 @@ from harness.random_configs import PINNED, Problem, check_problem, config_fields
 # implementations there touches the `random` module, which hypothesis warns about).
 FIELDS = config_fields()
 CI_EXAMPLES = 12
-NIGHTLY_EXAMPLES = 400
+NIGHTLY_EXAMPLES = 200
 
 _COMMON = dict(deadline=None, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
