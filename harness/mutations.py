@@ -23,6 +23,14 @@ damage is a chunk-vs-native difference above the tight `chunk` bound. The remove
 `jax.checkpoint` changes memory, not numbers: the worker's compile-only `memory`
 check (the analytic-floor bound of tests/test_memory.py) kills it.
 
+Issue 15 added mistakes that no committed case can reveal (a field every case leaves at one
+value: m = 4, norm_eps, rope_theta, loss_scale, head_dim == index_head_dim). Their entries name
+`problems`: pinned random problems of harness/random_configs.py, which the worker runs live
+against torch_ref (float64 exact and chunk checks), and `killing_test` names the test of the
+suite that runs that problem (tests/test_random_configs.py::test_pinned_problem[NAME]); the
+other entries are killed by the parity matrix (tests/test_parity_matrix.py), of which their
+slice is a part.
+
     python -m harness.mutations              # every mutant, in parallel; prints the kill table
     python -m harness.mutations --only NAME  # some of them
 """
