@@ -1,7 +1,8 @@
 """Subprocess of the mutation self-test (harness/mutations.py): import jax_impl from a
 (mutated) copy, run a matrix slice against the fixture goldens, print a JSON report.
 
-    python -m harness.mutation_worker --impl-root DIR [--point case:dtype:ichunk:tchunk ...] [--memory]
+    python -m harness.mutation_worker --impl-root DIR [--point case:dtype:ichunk:tchunk ...]
+                                      [--problem PINNED_NAME ...] [--memory]
 
 (`run()` is the same in a function: harness.mutations calls it in a child forked from a
 server that has already imported jax, which saves ~2 s of imports per mutant.)
@@ -105,7 +106,7 @@ class ForeignImport(RuntimeError):
 
 
 def run(impl_root: str, points=(), memory: bool = False, reference: str = "goldens",
-        cache_dir: str | None = None) -> dict:
+        cache_dir: str | None = None, problems=()) -> dict:
     """Import jax_impl from impl_root, run the slice, return the report (see the module doc).
 
     Must run in a process that has not imported jax_impl yet (a fresh interpreter, or a
@@ -152,6 +153,17 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
             error = f"{p.spec()}: {type(exc).__name__}: {exc}"
             failed.append({"check": "crash", "quantity": "-", "context": p.spec(), "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
+    for name in problems:  # pinned random problems (harness.random_configs), live against torch
+        try:
+            from harness.random_configs import PINNED, check_problem
+
+            results = check_problem(PINNED[name]).results
+            checks += len(results)
+            failed.extend(_failure(r) for r in results if not r.passed)
+        except Exception as exc:
+            error = f"problem {name}: {type(exc).__name__}: {exc}"
+            failed.append({"check": "crash", "quantity": "-", "context": f"problem {name}", "message": error,
+                           "traceback": traceback.format_exc(limit=-4)})
     if memory:
         try:
             r = memory_check()
@@ -191,12 +203,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.mutation_worker")
     ap.add_argument("--impl-root", required=True, help="directory holding the jax_impl copy to import")
     ap.add_argument("--point", action="append", default=[], help="case:dtype:ichunk:tchunk (repeatable)")
+    ap.add_argument("--problem", action="append", default=[],
+                    help="a pinned random problem of harness.random_configs (repeatable; live torch)")
     ap.add_argument("--memory", action="store_true", help="run the compile-only memory check")
     ap.add_argument("--reference", default="goldens", choices=["goldens", "live"])
     ap.add_argument("--cache-dir", help="JAX persistent compilation cache shared by workers (optional)")
     args = ap.parse_args(argv)
     try:
-        report = run(args.impl_root, args.point, args.memory, args.reference, args.cache_dir)
+        report = run(args.impl_root, args.point, args.memory, args.reference, args.cache_dir, args.problem)
     except ForeignImport as exc:
         print(f"mutation worker: {exc}", file=sys.stderr)
         return 3

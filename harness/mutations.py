@@ -23,6 +23,14 @@ damage is a chunk-vs-native difference above the tight `chunk` bound. The remove
 `jax.checkpoint` changes memory, not numbers: the worker's compile-only `memory`
 check (the analytic-floor bound of tests/test_memory.py) kills it.
 
+Issue 15 added mistakes that no committed case can reveal (a field every case leaves at one
+value: m = 4, norm_eps, rope_theta, loss_scale, head_dim == index_head_dim). Their entries name
+`problems`: pinned random problems of harness/random_configs.py, which the worker runs live
+against torch_ref (float64 exact and chunk checks), and `killing_test` names the test of the
+suite that runs that problem (tests/test_random_configs.py::test_pinned_problem[NAME]); the
+other entries are killed by the parity matrix (tests/test_parity_matrix.py), of which their
+slice is a part.
+
     python -m harness.mutations              # every mutant, in parallel; prints the kill table
     python -m harness.mutations --only NAME  # some of them
 """
@@ -100,6 +108,11 @@ class Mutant:
     mistake: str
     more: tuple[tuple[str, str], ...] = ()
     memory: bool = False
+    # Pinned random problems (harness.random_configs.PINNED) to run as well, live against
+    # torch: for the mistakes that no committed case reveals (issue 15).
+    problems: tuple[str, ...] = ()
+    # The test of the suite that kills it (the matrix slice above is that test's subset).
+    killing_test: str = "tests/test_parity_matrix.py"
 
     @property
     def edits(self) -> tuple[tuple[str, str], ...]:
@@ -299,6 +312,89 @@ CATALOGUE: tuple[Mutant, ...] = (
         "a plain astype for every cast down: XLA keeps excess precision inside fusions, so which "
         "bfloat16 roundings happen depends on fusion, and chunked and native differ",
     ),
+    # ------------------------------------------------------ beyond the committed cases (issue 15)
+    # Each mistake below is invisible on every committed case: with the config field at the one
+    # value every case gives it (m = 4, norm_eps = 1e-6, rope_theta = 160000 (a float32 number),
+    # head_dim == index_head_dim, loss_scale = 1) the mutated code computes the same numbers,
+    # operation for operation. A pinned random problem with another value kills it.
+    Mutant(
+        "pool_continuation_ratio_hardcoded", "pooling", "pooling.py",
+        "    cont = first[:, 1:] == first[:, :-1] + m\n",
+        "    cont = first[:, 1:] == first[:, :-1] + 4\n",
+        ("exact64",), (),
+        "the previous-block test hard-codes DeepSeek-V4's compress ratio 4: for any other m no "
+        "block pools its predecessor's `a` slots",
+        problems=("chunk_between_d_ne_di",),
+        killing_test="tests/test_random_configs.py::test_pinned_problem[chunk_between_d_ne_di]",
+    ),
+    Mutant(
+        "pool_norm_eps_hardcoded", "pooling", "pooling.py",
+        "jnp.sqrt(ms + cfg.norm_eps)",
+        "jnp.sqrt(ms + 1e-6)",
+        ("exact64",), (),
+        "the RMSNorm epsilon hard-coded to the default 1e-6 instead of cfg.norm_eps",
+        problems=("m1_single_head",),
+        killing_test="tests/test_random_configs.py::test_pinned_problem[m1_single_head]",
+    ),
+    Mutant(
+        "rope_theta_hardcoded_default", "rope", "rope.py",
+        "    inv_freq = theta ** (",
+        "    inv_freq = 160000.0 ** (",
+        ("exact64",), (),
+        "the RoPE base hard-coded to the DeepSeek-V4 default 160000 instead of cfg.rope_theta",
+        problems=("m3_prime_heads_packed",),
+        killing_test="tests/test_random_configs.py::test_pinned_problem[m3_prime_heads_packed]",
+    ),
+    Mutant(
+        "score_causal_ratio_hardcoded", "scoring", "scoring.py",
+        "    causal = first[:, None, :] + m <= position_ids[:, :, None] + 1",
+        "    causal = first[:, None, :] + 4 <= position_ids[:, :, None] + 1",
+        ("exact64",), (),
+        "the causal rule hard-codes a block length of 4: for m < 4 complete blocks are masked, "
+        "for m > 4 incomplete ones are visible",
+        problems=("m1_single_head",),
+        killing_test="tests/test_random_configs.py::test_pinned_problem[m1_single_head]",
+    ),
+    Mutant(
+        "score_scale_teacher_head_dim", "scoring", "scoring.py",
+        "    return acc * (di**-0.5)",
+        "    return acc * (cfg.head_dim**-0.5)",
+        ("exact64",), (),
+        "the score scaled by head_dim**-0.5 (the teacher's head dim, the usual attention scale) "
+        "instead of index_head_dim**-0.5",
+        problems=("m1_single_head",),
+        killing_test="tests/test_random_configs.py::test_pinned_problem[m1_single_head]",
+    ),
+    Mutant(
+        "chunk_wq_columns_teacher_head_dim", "chunking", "scoring.py",
+        "            wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * di), chunk * di, axis=1)",
+        "            wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * cfg.head_dim), chunk * di, axis=1)",
+        ("chunk",), (),
+        "the head chunk's columns of wq_b start at i * chunk * head_dim (the teacher's head dim) "
+        "instead of i * chunk * index_head_dim: the wrong heads' query weights from step 1 on",
+        problems=("composite_chunks_w1",),
+        killing_test="tests/test_random_configs.py::test_pinned_problem[composite_chunks_w1]",
+    ),
+    Mutant(
+        "loss_scale_dropped", "loss", "loss.py",
+        "    return cfg.loss_scale * jnp.sum(kl) / count",
+        "    return jnp.sum(kl) / count",
+        ("exact64",), (),
+        "loss_scale never applied",
+        problems=("m3_prime_heads_packed",),
+        killing_test="tests/test_random_configs.py::test_pinned_problem[m3_prime_heads_packed]",
+    ),
+    Mutant(
+        "precision_rope_theta_float32", "precision", "rope.py",
+        "    inv_freq = theta ** (",
+        "    inv_freq = jnp.asarray(theta, jnp.float32).astype(wide) ** (",
+        ("exact64",), (),
+        "the RoPE base held as a float32 number (a config value turned into a default-dtype "
+        "array) before the float64 frequency table: wrong in float64 for any base that is not "
+        "a float32 number",
+        problems=("m1_single_head",),
+        killing_test="tests/test_random_configs.py::test_pinned_problem[m1_single_head]",
+    ),
 )
 
 
@@ -355,7 +451,7 @@ def default_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "subprocess"
 
 
-def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float) -> dict:
+def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=()) -> dict:
     import multiprocessing
 
     from harness.mutation_worker import forked
@@ -364,7 +460,7 @@ def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float
     ctx.set_forkserver_preload(list(PRELOAD))  # used when the server starts (first call)
     parent, child = ctx.Pipe(duplex=False)
     kwargs = dict(impl_root=str(impl_root), points=[p.spec() for p in points], memory=memory,
-                  cache_dir=str(cache_dir) if cache_dir else None)
+                  cache_dir=str(cache_dir) if cache_dir else None, problems=list(problems))
     proc = ctx.Process(target=forked, args=(child, kwargs), daemon=True)
     proc.start()
     child.close()
@@ -397,10 +493,12 @@ def stop_forkserver() -> None:
         stop()
 
 
-def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: float) -> dict:
+def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=()) -> dict:
     cmd = [sys.executable, "-m", "harness.mutation_worker", "--impl-root", str(impl_root)]
     for p in points:
         cmd += ["--point", p.spec()]
+    for name in problems:
+        cmd += ["--problem", name]
     if memory:
         cmd.append("--memory")
     if cache_dir:
@@ -415,15 +513,15 @@ def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: f
 
 
 def run_worker(impl_root: Path, points, memory: bool, cache_dir: str | os.PathLike | None = None,
-               timeout: float = 600.0, method: str | None = None) -> dict:
+               timeout: float = 600.0, method: str | None = None, problems: tuple[str, ...] = ()) -> dict:
     """Run the worker (harness/mutation_worker.py) on the jax_impl copy under impl_root in a
     process of its own; its report. `cache_dir`: a JAX persistent compilation cache shared
     by the workers of one run. `method`: `forkserver` or `subprocess` (default_method())."""
     method = method or default_method()
     if method == "forkserver":
-        report = _run_forked(Path(impl_root), points, memory, cache_dir, timeout)
+        report = _run_forked(Path(impl_root), points, memory, cache_dir, timeout, problems)
     elif method == "subprocess":
-        report = _run_subprocess(Path(impl_root), points, memory, cache_dir, timeout)
+        report = _run_subprocess(Path(impl_root), points, memory, cache_dir, timeout, problems)
     else:
         raise ValueError(f"method={method!r} is not supported (valid: forkserver, subprocess)")
     imported = os.path.realpath(report["jax_impl_file"])
@@ -444,7 +542,8 @@ def run_mutant(mutant: Mutant, cache_dir=None, method: str | None = None) -> Out
     start = time.time()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         patch_copy(mutant, Path(tmp))
-        report = run_worker(Path(tmp), mutant.points, mutant.memory, cache_dir, method=method)
+        report = run_worker(Path(tmp), mutant.points, mutant.memory, cache_dir, method=method,
+                            problems=mutant.problems)
     return _outcome(mutant.name, report, time.time() - start)
 
 
@@ -454,17 +553,23 @@ def slices(catalogue=CATALOGUE) -> tuple[tuple[Point, ...], bool]:
     return tuple(points), any(m.memory for m in catalogue)
 
 
-def run_clean(points, memory: bool, cache_dir=None, method: str | None = None) -> Outcome:
+def problem_slices(catalogue=CATALOGUE) -> tuple[str, ...]:
+    """Every pinned random problem some mutant runs: what the clean run covers as well."""
+    return tuple(sorted({p for m in catalogue for p in m.problems}))
+
+
+def run_clean(points, memory: bool, cache_dir=None, method: str | None = None,
+              problems: tuple[str, ...] = ()) -> Outcome:
     """The same machinery on an unmutated copy: must pass."""
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="mutant-clean-") as tmp:
         patch_copy(None, Path(tmp))
-        report = run_worker(Path(tmp), points, memory, cache_dir, method=method)
+        report = run_worker(Path(tmp), points, memory, cache_dir, method=method, problems=problems)
     return _outcome("clean", report, time.time() - start)
 
 
 def _table(rows) -> str:
-    header = ("mutant", "stage", "killed", "killing checks", "expected", "wall s", "cpu s")
+    header = ("mutant", "stage", "killed", "killing checks", "expected", "killing test", "wall s", "cpu s")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -499,7 +604,8 @@ def main(argv=None) -> int:
         futures = {}
         if not args.no_clean:  # first: it compiles the programs most mutants leave unchanged
             points, memory = slices(chosen)
-            futures[pool.submit(run_clean, points, memory, cache, args.method)] = "clean"
+            futures[pool.submit(run_clean, points, memory, cache, args.method,
+                                problem_slices(chosen))] = "clean"
         futures.update({pool.submit(run_mutant, m, cache, args.method): m.name for m in chosen})
         for fut in cf.as_completed(futures):
             outcomes[futures[fut]] = fut.result()
@@ -512,7 +618,7 @@ def main(argv=None) -> int:
         killed += not o.passed
         verdict = "yes" if ok else ("SURVIVED" if o.passed else "yes (unexpected checks)")
         rows.append((m.name, m.stage, verdict, ",".join(o.killing) or "-", ",".join(m.killed_by),
-                     f"{o.seconds:.1f}", f"{o.cpu_s:.1f}"))
+                     m.killing_test, f"{o.seconds:.1f}", f"{o.cpu_s:.1f}"))
     print(_table(rows))
     print()
     rate = killed / max(len(chosen), 1)

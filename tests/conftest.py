@@ -27,3 +27,9 @@ def pytest_ignore_collect(collection_path, config):
 # may set CSA_PARITY_PRECISION=default); the matrix judges with the matching profile.
 PRECISION = os.environ.get("CSA_PARITY_PRECISION", "highest")
 jax.config.update("jax_default_matmul_precision", PRECISION)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--repro", default="", metavar="JSON",
+                     help="tests/test_random_configs.py::test_repro reruns this problem (the one-line "
+                          "JSON a failing random problem prints)")

@@ -11,6 +11,9 @@ Cost: one forked process per test and one compiled program per point (2-4 s); th
 workers share a JAX persistent compilation cache, so a chunking mutant reuses the clean
 native program. Measured on the 2-core machine: `pytest tests/test_mutations.py -n 2`
 ~100 s CPU (forked workers included: the fork server is reaped at session end), ~52 s wall.
+Issue 15's 8 mutants beyond the committed cases each run one pinned random problem live
+against torch (harness/random_configs.py): measured 108 CPU-s for the 8 (10-13 s each) and
+35 CPU-s more for the clean run of their 4 problems, i.e. about 70 s of wall on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ import pytest
 
 from harness.cases import CASES
 from harness.matrix import DTYPES
+from harness.random_configs import PINNED
 from harness.mutations import (
     CATALOGUE,
     STAGES,
     MutationError,
     Mutant,
     patch_copy,
+    problem_slices,
     run_clean,
     run_mutant,
     run_worker,
@@ -63,7 +68,7 @@ def _describe(outcome) -> str:
 # First in the file so that it starts first and fills the compilation cache.
 def test_clean_code_passes_every_slice(xla_cache):
     points, memory = slices()
-    outcome = run_clean(points, memory, xla_cache)
+    outcome = run_clean(points, memory, xla_cache, problems=problem_slices())
     assert outcome.checks > 0
     assert outcome.passed, (
         f"the unmutated jax_impl fails {len(outcome.failed)} check(s) of the mutation slices "
@@ -75,7 +80,7 @@ def test_mutant_is_killed(mutant: Mutant, xla_cache):
     outcome = run_mutant(mutant, xla_cache)
     assert not outcome.passed, (
         f"mutant {mutant.name!r} SURVIVED ({outcome.checks} checks passed on "
-        f"{', '.join(p.spec() for p in mutant.points) or 'no point'}"
+        f"{', '.join([p.spec() for p in mutant.points] + list(mutant.problems)) or 'no point'}"
         f"{' + memory' if mutant.memory else ''}): {mutant.mistake}")
     expected = set(mutant.killed_by) & set(outcome.killing)
     assert expected, (
@@ -94,13 +99,24 @@ def test_catalogue_is_complete():
     for m in CATALOGUE:
         assert m.stage in STAGES, m.name
         assert m.killed_by and set(m.killed_by) <= CHECK_NAMES, m.name
-        assert m.points or m.memory, f"{m.name}: an empty slice kills nothing"
+        assert m.points or m.memory or m.problems, f"{m.name}: an empty slice kills nothing"
+        assert set(m.problems) <= set(PINNED), m.name
+        test_file, _, test_id = m.killing_test.partition("::")
+        assert (ROOT / test_file).is_file(), f"{m.name}: killing test {m.killing_test} does not exist"
+        for name in m.problems:  # the named test runs the problem the worker runs
+            assert test_id == f"test_pinned_problem[{name}]", m.name
         assert ("memory" in m.killed_by) == m.memory, m.name
         for p in m.points:
             assert p.case in CASES and p.dtype in DTYPES, m.name
         # cheap slices: at most 3 compiled programs (a chunked point also needs its native one)
         programs = {p for p in m.points} | {type(p)(p.case, p.dtype) for p in m.points}
         assert len(programs) <= 3, m.name
+
+
+def test_every_stage_has_a_mutant_beyond_the_committed_cases():
+    """Issue 15: each stage has a mistake that only a pinned random problem reveals."""
+    beyond = {m.stage for m in CATALOGUE if m.problems and not m.points}
+    assert beyond == set(STAGES), sorted(set(STAGES) - beyond)
 
 
 def test_every_mutant_still_applies_exactly_once():

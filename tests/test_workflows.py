@@ -95,6 +95,10 @@ def test_tpu_commands(tpu):
     assert "scripts/regenerate_fixtures.py --check" in runs["check"]
     assert re.search(r'python -m pytest -n "\$PYTEST_WORKERS" --junitxml=', runs["matrix"])
     assert "csa-parity run" in runs["report"] and '--jobs "$PARITY_JOBS"' in runs["report"]
+    # Random configurations (issue 15): the nightly hypothesis profile except on pull requests.
+    assert "$RANDOM_ARGS" in runs["random"] and "tests/test_random_configs.py" in job["env"]["RANDOM_ARGS"]
+    assert "'nightly'" in job["env"]["HYPOTHESIS_PROFILE"] and "'ci'" in job["env"]["HYPOTHESIS_PROFILE"]
+    assert "install -c constraints.txt hypothesis" in runs["install"]
     # One process owns the TPU (see the workflow's comment): one pytest worker, one CLI job.
     assert job["env"]["PARITY_JOBS"] == "1"
     assert tpu["on"]["workflow_dispatch"]["inputs"]["pytest_workers"]["default"] == "1"
@@ -195,6 +199,8 @@ def _cpu_env(job: dict, tmp_path: Path) -> dict[str, str]:
         "PYTEST_ARGS": "tests/test_cases.py -k test_required_cases_present -p no:cacheprovider",
         "CHECK_ARGS": "--case tiny",
         "PARITY_ARGS": "--cases tiny --dtypes float32",
+        "HYPOTHESIS_PROFILE": "ci",
+        "RANDOM_ARGS": ("tests/test_random_configs.py -k round_trips -p no:cacheprovider"),
         "REPORTS_DIR": str(tmp_path / "reports"),
         "JUNIT_DIR": str(tmp_path / "junit"),
     }
@@ -229,3 +235,5 @@ def test_tpu_step_runs_on_cpu(step, tmp_path):
         assert (tmp_path / "junit" / "parity-tpu.xml").is_file()
     if step["id"] == "report":
         assert (tmp_path / "reports" / "parity.json").is_file()
+    if step["id"] == "random":
+        assert (tmp_path / "junit" / "random-configs-tpu.xml").is_file()
