@@ -138,5 +138,13 @@ def topk_indices(masked_scores, valid, k: int):
 
 
 def selection_mask(topk, num_blocks: int):
-    """[B, S, W] bool: j is among the (non -1) picks of query s."""
-    return jnp.any(topk[..., :, None] == jnp.arange(num_blocks), axis=-2)
+    """[B, S, W] bool: j is among the (non -1) picks of query s.
+
+    A scatter of each row's k picks (a -1 is sent out of range and dropped): O(B*S*k) work
+    and nothing bigger than the mask. Comparing the picks against every block instead
+    (`any(topk[..., None] == arange(W), axis=-2)`) builds a [B, S, k, W] boolean that XLA:CPU
+    does not fuse away (measured: 0.25 GiB per query block of 256 rows at W = 2048, k = 512)."""
+    b, s, _ = topk.shape
+    picks = jnp.where(topk < 0, num_blocks, topk)
+    rows = (jnp.arange(b)[:, None, None], jnp.arange(s)[None, :, None])
+    return jnp.zeros((b, s, num_blocks), bool).at[rows[0], rows[1], picks].set(True, mode="drop")
