@@ -55,14 +55,15 @@ class Point:
     dtype: str
     ichunk: int = 0
     tchunk: int = 0
+    qchunk: int = 0
 
     def spec(self) -> str:
-        return f"{self.case}:{self.dtype}:{self.ichunk}:{self.tchunk}"
+        return f"{self.case}:{self.dtype}:{self.ichunk}:{self.tchunk}" + (f":{self.qchunk}" if self.qchunk else "")
 
     @classmethod
     def parse(cls, text: str) -> "Point":
-        case, dtype, ichunk, tchunk = text.split(":")
-        return cls(case, dtype, int(ichunk), int(tchunk))
+        case, dtype, ichunk, tchunk, *qchunk = text.split(":")
+        return cls(case, dtype, int(ichunk), int(tchunk), int(qchunk[0]) if qchunk else 0)
 
 
 # The slices. tiny (B=1, S=16, HI=2, H=2, W=4, k=2) is the cheapest problem with a top-k
