@@ -16,9 +16,11 @@ block runs past S: `_take_rows` reads every input per block with a clamped
 gather (those rows repeat row S-1; nothing is padded or copied whole), and
 `row_ok` marks them as padding: they have no valid block, so they are never
 valid rows, never counted, and their outputs are cut off before anything is
-returned. The scan emits each row's KL term and validity ([B, r] per block, [B, S]
-in all, negligible next to [B, S, W]); the loss is then formed exactly as the
-unblocked path forms it, one global sum divided by one global count.
+returned. The scan emits each row's KL term and validity ([B, r] per block, about
+[B, S] in all, negligible next to [B, S, W]); the loss is then formed as the
+unblocked path forms it, one global sum divided by one global count, over those
+outputs as they come (the padding rows hold 0 and count as invalid because `row_ok`
+says so, and only because of it).
 
 The forward API (`forward`) assembles the full [B, S, W] scores and top-k from
 the blocks, for parity; the memory promise is the loss and its gradient.
@@ -152,8 +154,9 @@ def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
         kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
         return None, (kl, valid_tok)
 
+    # kl, valid_tok: [nb, B, r]. The padding rows of the last block are in there: `row_ok`
+    # made them rows with no valid block, so their KL term is 0 and they are not counted.
     _, (kl, valid_tok) = jax.lax.scan(body, None, _starts(seq_len, r))
-    kl, valid_tok = _unblock(kl, seq_len), _unblock(valid_tok, seq_len)
     # The normaliser is global: every block's valid rows, counted once, divided once.
     count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)
     return cfg.loss_scale * jnp.sum(kl) / count
