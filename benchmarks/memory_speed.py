@@ -85,6 +85,7 @@ def bench_config(indexer_head_chunk: int, loss_head_chunk: int, **overrides) -> 
 
 
 def _loss_and_param_grads(params, float_inputs, int_inputs, cfg, dtype_name):
+    # query_chunk > 0: indexer_loss routes to the query-blocked training path (jax_impl.query_blocks).
     return jax.value_and_grad(indexer_loss)(params, {**float_inputs, **int_inputs}, cfg, dtype_name)
 
 
@@ -153,7 +154,7 @@ def compiled_temp_bytes(cfg: CSAConfig, batch: int, seq: int, dtype: str = "floa
 # -- the analytic floor ------------------------------------------------------------------
 
 
-def analytic_floor(cfg: CSAConfig, batch: int, seq: int, dtype: str = "float32") -> dict:
+def analytic_floor(cfg: CSAConfig, batch: int, seq: int, dtype: str = "float32", rows: int | None = None) -> dict:
     """Bytes the chunked algorithm must hold at its worst moment, by phase.
 
     A = B*S*W wide elements: the scores accumulator, the teacher distribution T, the score
@@ -171,15 +172,21 @@ def analytic_floor(cfg: CSAConfig, batch: int, seq: int, dtype: str = "float32")
     in a narrower dtype the teacher chunk's widened copy [B, S, t, D] is added.
     Parameters, inputs and outputs are not temp and are not counted; neither are arrays of
     O(B*S*HI) or O(B*W*DI) (head weights, keys), small next to A at these shapes.
+
+    Query chunking (cfg.query_chunk = r > 0): every phase holds one block of r rows, so the
+    same formulas with A = B*r*W (`rows`, default min(r, S), or S when r = 0); the arrays
+    that grow with S alone (the compressor's projections, per-row outputs) are not counted.
     """
     _, wide = resolve_dtype(dtype)
     wb = jnp.dtype(wide).itemsize
     w = cfg.num_blocks(seq)
-    a = batch * seq * w * wb
+    if rows is None:
+        rows = min(cfg.query_chunk, seq) if cfg.query_chunk else seq
+    a = batch * rows * w * wb
     c = cfg.indexer_head_chunk or cfg.index_n_heads
     t = cfg.loss_head_chunk or cfg.num_query_heads
-    q_c = batch * seq * c * cfg.index_head_dim * wb
-    cast = 0 if jnp.dtype(dtype) == wide else batch * seq * t * cfg.head_dim * wb
+    q_c = batch * rows * c * cfg.index_head_dim * wb
+    cast = 0 if jnp.dtype(dtype) == wide else batch * rows * t * cfg.head_dim * wb
     teacher = (1 + t) * a + cast
     idx_fwd = (1 + c) * a
     fwd = min(max(teacher, idx_fwd + a), max(idx_fwd, teacher + a))
@@ -360,6 +367,155 @@ def evaluate_bounds(rows, time_seq=2048, bound_seq=8192):
     return out
 
 
+# -- query chunking (issue #13) ---------------------------------------------------------
+
+# Sequence lengths and query chunks of the query sweep (head chunk 1 on both knobs, the
+# memory-lean head setting). 1000 divides none of the S: its last block is short.
+QUERY_SEQS = (2048, 8192, 32768, 131072)
+QUERY_CHUNKS = (128, 256, 512, 1000, 1024)
+NON_DIVIDING_R, NEIGHBOUR_R = 1000, 1024
+# The issue's bounds (effective temp, float32, dense loss gradient).
+QUERY_BOUND_SEQ, QUERY_BOUND_GIB = 32768, 0.5
+LONG_SEQ, LONG_BOUND_GIB = 131072, 2.0
+QUERY_TIME_SEQ, QUERY_TIME_MIN_BLOCKS, QUERY_TIME_FACTOR = 2048, 4, 1.5
+LINEAR_SEQS, LINEAR_SLACK = (8192, 32768, 131072), 1.15
+# MaxText 0.2.5's formulation of the same work, this CPU (issue #13), head chunk 1: temp GiB by S.
+UPSTREAM_SEQ_GIB = {8192: 1.47, 32768: 8.14}
+
+
+def query_config(r: int, sparse: bool = False) -> CSAConfig:
+    return bench_config(1, 1, query_chunk=r, sparse_loss=sparse)
+
+
+def query_sweep(seqs, chunks, batch: int = 1, log=None) -> list:
+    """Compile-only memory of the dense and the sparse loss gradient per (S, r), head chunk 1;
+    r = 0 is the head-chunked-only program (all rows at once)."""
+    rows = []
+    for s in seqs:
+        for r in (0, *chunks):
+            row = {"seq": s, "batch": batch, "query_chunk": r, "head_chunk": 1}
+            for mode in ("dense", "sparse"):
+                row[mode] = compiled_temp_bytes(query_config(r, mode == "sparse"), batch, s)
+            row["floor"] = analytic_floor(query_config(r), batch, s)
+            rows.append(row)
+            if log:
+                log(f"  query S={s} r={r or 'all'}: dense {row['dense']['effective'] / GIB:.3f} GiB, "
+                    f"sparse {row['sparse']['effective'] / GIB:.3f} GiB (effective temp)")
+    return rows
+
+
+def best_query_chunk(rows, seq: int):
+    """The r > 0 with the least dense effective temp at `seq` (its row), or None."""
+    cand = [r for r in rows if r["seq"] == seq and r["query_chunk"] > 0]
+    return min(cand, key=lambda r: r["dense"]["effective"]) if cand else None
+
+
+def time_query_chunk(rows, batch: int = 1, repeats: int = 5, log=None):
+    """Wall time at S = QUERY_TIME_SEQ of the head-chunked-only program and of the largest r
+    that meets the S = QUERY_BOUND_SEQ bound and gives >= QUERY_TIME_MIN_BLOCKS blocks there."""
+    ok = [r["query_chunk"] for r in rows if r["seq"] == QUERY_BOUND_SEQ and r["query_chunk"] > 0
+          and r["dense"]["effective"] <= QUERY_BOUND_GIB * GIB
+          and -(-QUERY_TIME_SEQ // r["query_chunk"]) >= QUERY_TIME_MIN_BLOCKS]
+    if not ok:
+        return None
+    r = max(ok)
+    t0, tr = time_configs([query_config(0), query_config(r)], batch, QUERY_TIME_SEQ, repeats, log=log)
+    return {"seq": QUERY_TIME_SEQ, "query_chunk": r, "head_chunked_only": t0, "query_chunked": tr,
+            "ratio_median": tr["median_s"] / t0["median_s"], "ratio_min": tr["min_s"] / t0["min_s"]}
+
+
+def evaluate_query_bounds(rows, timing=None) -> list:
+    out = []
+    by = {(r["seq"], r["query_chunk"]): r for r in rows}
+    for seq, bound in ((QUERY_BOUND_SEQ, QUERY_BOUND_GIB), (LONG_SEQ, LONG_BOUND_GIB)):
+        best = best_query_chunk(rows, seq)
+        if best is None:
+            continue
+        e = best["dense"]["effective"]
+        nat = by.get((seq, 0))
+        vs = f"; head chunk 1 alone (r = all): {nat['dense']['effective'] / GIB:.2f} GiB" if nat else ""
+        out.append({"name": f"S={seq}, head chunk 1, best r: temp <= {bound} GiB",
+                    "ok": e <= bound * GIB,
+                    "detail": f"r={best['query_chunk']}: {e / GIB:.3f} GiB dense (sparse "
+                              f"{best['sparse']['effective'] / GIB:.3f} GiB){vs}"})
+    for seq in sorted({r["seq"] for r in rows}):
+        a, b = by.get((seq, NON_DIVIDING_R)), by.get((seq, NEIGHBOUR_R))
+        if a and b and seq == QUERY_BOUND_SEQ:
+            ea, eb = a["dense"]["effective"], b["dense"]["effective"]
+            out.append({"name": f"S={seq}: r={NON_DIVIDING_R} (does not divide S) within 10% of r={NEIGHBOUR_R}",
+                        "ok": abs(ea - eb) <= 0.1 * eb,
+                        "detail": f"{ea / GIB:.3f} vs {eb / GIB:.3f} GiB ({100 * (ea / eb - 1):+.1f}%)"})
+    for r in sorted({r["query_chunk"] for r in rows if r["query_chunk"] > 0}):
+        pts = [(s, by[(s, r)]["dense"]["effective"]) for s in LINEAR_SEQS if (s, r) in by]
+        if len(pts) < 2:
+            continue
+        worst = max((m1 / m0) / (s1 / s0) for (s0, m0), (s1, m1) in zip(pts, pts[1:]))
+        out.append({"name": f"r={r}: temp grows at most linearly in S ({'/'.join(str(s) for s, _ in pts)})",
+                    "ok": worst <= LINEAR_SLACK,
+                    "detail": "growth / linear growth per step: " + ", ".join(
+                        f"{s0}->{s1}: x{m1 / m0:.2f} / x{s1 / s0:g}" for (s0, m0), (s1, m1) in zip(pts, pts[1:]))
+                        + f" (allowed x{LINEAR_SLACK} of linear)"})
+    if timing:
+        out.append({"name": f"S={timing['seq']}, r={timing['query_chunk']} (the S={QUERY_BOUND_SEQ} bound, "
+                            f">= {QUERY_TIME_MIN_BLOCKS} blocks): time <= {QUERY_TIME_FACTOR} x head-chunked-only",
+                    "ok": timing["ratio_median"] <= QUERY_TIME_FACTOR,
+                    "detail": f"median {timing['query_chunked']['median_s']:.3f} s vs "
+                              f"{timing['head_chunked_only']['median_s']:.3f} s = x{timing['ratio_median']:.2f} "
+                              f"(min/min x{timing['ratio_min']:.2f})"})
+    return out
+
+
+def print_query_table(rows, file=sys.stdout):
+    head = (f"{'S':>7} {'r':>5} {'blocks':>6} {'dense GiB':>10} {'sparse GiB':>10} {'floor GiB':>9} "
+            f"{'dense/floor':>11} {'XLA temp':>9} {'ynn':>7}")
+    print(head, file=file)
+    print("-" * len(head), file=file)
+    for r in rows:
+        q = r["query_chunk"]
+        blocks = -(-r["seq"] // q) if q else 1
+        d, sp, f = r["dense"], r["sparse"], r["floor"]["total"]
+        print(f"{r['seq']:>7} {q or 'all':>5} {blocks:>6} {d['effective'] / GIB:10.3f} {sp['effective'] / GIB:10.3f} "
+              f"{f / GIB:9.3f} {d['effective'] / f:11.2f} {d['temp'] / GIB:9.3f} {d['ynn_scratch'] / GIB:7.3f}",
+              file=file)
+
+
+def plot_query(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 6.5))
+    chunks = sorted({r["query_chunk"] for r in rows})
+    colors = ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    for q, color in zip(chunks, colors):
+        pts = sorted((r["seq"], r) for r in rows if r["query_chunk"] == q)
+        xs = [s for s, _ in pts]
+        name = f"r={q}" if q else "r=all (head chunk 1 only)"
+        ax.plot(xs, [r["dense"]["effective"] / GIB for _, r in pts], "o-", color=color, label=f"{name} dense")
+        ax.plot(xs, [r["sparse"]["effective"] / GIB for _, r in pts], "^--", color=color, lw=0.8, alpha=0.5,
+                label=f"{name} sparse")
+        if q in (0, 256):
+            ax.plot(xs, [r["floor"]["total"] / GIB for _, r in pts], ":", color=color, lw=1.2,
+                    label=f"{name} analytic floor")
+    ax.plot(list(UPSTREAM_SEQ_GIB), list(UPSTREAM_SEQ_GIB.values()), "kx", ms=10, mew=2,
+            label="upstream (MaxText 0.2.5), head chunk 1")
+    ax.axhline(QUERY_BOUND_GIB, color="grey", lw=0.6, ls="-.")
+    ax.axhline(LONG_BOUND_GIB, color="grey", lw=0.6, ls="-.")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length S (log scale)")
+    ax.set_ylabel("effective temp memory, GiB (XLA temp + YNN scratch; log scale)")
+    ax.set_title("Indexer scores + KL loss, forward+backward, float32, head chunk 1, by query chunk r\n"
+                 "B=1 HI=64 DI=128 H=64 D=128 E=R=256 k=512; grey: the 0.5 GiB (S=32768) and 2 GiB bounds",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # -- output ------------------------------------------------------------------------------
 
 
@@ -449,29 +605,50 @@ def main(argv=None):
     p.add_argument("--time-mem-gib", type=float, default=4.0,
                    help="time only rows whose temp + ynn_scratch + arguments fit (default 4 GiB)")
     p.add_argument("--no-time", action="store_true", help="compile-only: memory, no wall time")
+    p.add_argument("--query-only", action="store_true",
+                   help="only the query-chunk sweep (issue #13); the head-chunk rows of --out are kept")
+    p.add_argument("--no-query", action="store_true", help="skip the query-chunk sweep")
+    p.add_argument("--query-s", default=None, help="query sweep sequence lengths (default 2048,8192,32768,131072)")
+    p.add_argument("--query-chunks", default=None, help="query chunks r > 0 (default 128,256,512,1000,1024)")
     p.add_argument("--replot", action="store_true",
                    help="re-print the table and bounds and redraw the PNG from an existing --out JSON")
     p.add_argument("--out", default=os.path.join(HERE, "results.json"))
     p.add_argument("--png", default=os.path.join(HERE, "temp_memory.png"))
+    p.add_argument("--query-png", default=os.path.join(HERE, "temp_vs_seq.png"))
     args = p.parse_args(argv)
 
     seqs = [int(x) for x in args.s.split(",")] if args.s else ([2048] if args.quick else list(SEQS))
     chunks = [int(x) for x in args.chunks.split(",")] if args.chunks else ([0, 1, 8] if args.quick else list(CHUNKS))
+    qseqs = ([int(x) for x in args.query_s.split(",")] if args.query_s
+             else ([2048, 8192] if args.quick else list(QUERY_SEQS)))
+    qchunks = ([int(x) for x in args.query_chunks.split(",")] if args.query_chunks
+               else ([256, 1000, 1024] if args.quick else list(QUERY_CHUNKS)))
     repeats = args.repeats or (3 if args.quick else 5)
     started = time.time()
     if args.replot:
         with open(args.out) as f:
-            rows = json.load(f)["rows"]
+            saved = json.load(f)
+        rows = saved["rows"]
         print_table(rows)
         for b in evaluate_bounds(rows):
             print(f"  {'PASS' if b['ok'] else 'FAIL'}  {b['name']}: {b['detail']}")
         plot(rows, args.png)
+        if saved.get("query_rows"):
+            print()
+            print_query_table(saved["query_rows"])
+            for b in evaluate_query_bounds(saved["query_rows"], saved.get("query_timing")):
+                print(f"  {'PASS' if b['ok'] else 'FAIL'}  {b['name']}: {b['detail']}")
+            plot_query(saved["query_rows"], args.query_png)
         return 0
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    previous = {}
+    if args.query_only and os.path.exists(args.out):
+        with open(args.out) as f:
+            previous = json.load(f)
     memory, timing = {}, {}
-    for s in seqs:
+    for s in ([] if args.query_only else seqs):
         for _, ic, lc in sweep_points(chunks):
             if (s, ic, lc) not in memory:
                 memory[(s, ic, lc)] = mem = compiled_temp_bytes(bench_config(ic, lc), args.batch, s)
@@ -485,42 +662,73 @@ def main(argv=None):
                                                repeats, log=log)):
                 timing[k] = t
     rows = []
-    for s in seqs:
+    for s in ([] if args.query_only else seqs):
         for sweep, ic, lc in sweep_points(chunks):
             rows.append({"seq": s, "batch": args.batch, "sweep": sweep, "indexer_chunk": ic, "teacher_chunk": lc,
                          "memory": memory[(s, ic, lc)], "floor": analytic_floor(bench_config(ic, lc), args.batch, s),
                          "time": timing.get((s, ic, lc))})
+    if args.query_only:
+        rows = previous.get("rows", [])
 
-    print_table(rows)
-    bounds = evaluate_bounds(rows)
-    if 8192 in seqs:
-        print(f"\nupstream anchor (S={ANCHOR_S}, one knob): "
-              + ", ".join(f"chunk {_chunk_name(c)}: {g} GiB" for c, g in ANCHOR_GIB.items()) + "; here: "
-              + ", ".join(f"chunk {_chunk_name(c)}: {memory[(ANCHOR_S, c, c)]['temp'] / GIB:.3f} GiB"
-                          for c in ANCHOR_GIB if (ANCHOR_S, c, c) in memory))
+    query_rows, query_timing = [], None
+    if not args.no_query:
+        query_rows = query_sweep(qseqs, qchunks, args.batch, log)
+        if not args.no_time:
+            query_timing = time_query_chunk(query_rows, args.batch, repeats, log)
+
+    bounds = []
+    if rows:
+        print_table(rows)
+        bounds = evaluate_bounds(rows)
+        if 8192 in seqs and not args.query_only:
+            print(f"\nupstream anchor (S={ANCHOR_S}, one knob): "
+                  + ", ".join(f"chunk {_chunk_name(c)}: {g} GiB" for c, g in ANCHOR_GIB.items()) + "; here: "
+                  + ", ".join(f"chunk {_chunk_name(c)}: {memory[(ANCHOR_S, c, c)]['temp'] / GIB:.3f} GiB"
+                              for c in ANCHOR_GIB if (ANCHOR_S, c, c) in memory))
+    query_bounds = evaluate_query_bounds(query_rows, query_timing) if query_rows else []
+    if query_rows:
+        print("\nquery chunking (issue #13): effective temp of the loss gradient, head chunk 1, float32")
+        print_query_table(query_rows)
+        print("upstream (MaxText 0.2.5, head chunk 1): "
+              + ", ".join(f"S={s}: {g} GiB" for s, g in UPSTREAM_SEQ_GIB.items()))
     print("\nbounds:")
-    for b in bounds:
+    for b in (*bounds, *query_bounds):
         print(f"  {'PASS' if b['ok'] else 'FAIL'}  {b['name']}: {b['detail']}")
     elapsed = time.time() - started
-    print(f"\n{len(memory)} programs compiled, {len(timing)} timed, {elapsed:.0f} s")
+    print(f"\n{len(memory) + 2 * len(query_rows)} programs compiled, {len(timing) + 2 * bool(query_timing)} timed, "
+          f"{elapsed:.0f} s")
 
+    command = "python -m benchmarks.memory_speed " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
-        "command": "python -m benchmarks.memory_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": previous.get("command", command) if args.query_only else command,
         "shapes": {**ISSUE_SHAPES, "batch": args.batch, "dtype": "float32", "loss": "dense"},
-        "what": "jit(value_and_grad(jax_impl.indexer_loss)) w.r.t. the six indexer parameters",
-        "sweeps": "indexer: teacher chunk 1; teacher: indexer chunk 1; both: equal chunks; chunk 0 = native",
+        "what": "jit(value_and_grad(jax_impl.indexer_loss)) w.r.t. the six indexer parameters (the "
+                "query-blocked training path, jax_impl.query_blocks, when query_chunk > 0)",
+        "sweeps": "indexer: teacher chunk 1; teacher: indexer chunk 1; both: equal chunks; chunk 0 = native; "
+                  "query: head chunk 1, query chunk r (0 = all rows), dense and sparse",
         "environment": {"jax": jax.__version__, "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
                         "machine": platform.machine(), "load_average_at_end": os.getloadavg()},
         "elapsed_s": elapsed,
         "anchor_gib": {_chunk_name(c): g for c, g in ANCHOR_GIB.items()},
         "rows": rows,
-        "bounds": bounds,
+        "bounds": previous.get("bounds", bounds) if args.query_only else bounds,
+        "query_command": command,
+        "upstream_seq_gib": UPSTREAM_SEQ_GIB,
+        "query_rows": query_rows,
+        "query_timing": query_timing,
+        "query_bounds": query_bounds,
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    plot(rows, args.png)
-    print(f"wrote {os.path.relpath(args.out)} and {os.path.relpath(args.png)}")
-    return 0 if all(b["ok"] for b in bounds) else 1
+    written = [args.out]
+    if rows and not args.query_only:
+        plot(rows, args.png)
+        written.append(args.png)
+    if query_rows:
+        plot_query(query_rows, args.query_png)
+        written.append(args.query_png)
+    print("wrote " + " and ".join(os.path.relpath(w) for w in written))
+    return 0 if all(b["ok"] for b in (*bounds, *query_bounds)) else 1
 
 
 if __name__ == "__main__":

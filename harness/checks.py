@@ -61,7 +61,7 @@ def _topk_results(entry: Entry, ref, profile) -> list[CheckResult]:
     p = entry.point
     oracle = ref["float64"]
     tol = score_tolerance(ref, p.dtype, profile)
-    cand = runner.forward(p.impl, p.case, p.dtype, p.ichunk)["topk_indices"]
+    cand = runner.forward(p.impl, p.case, p.dtype, p.ichunk, p.qchunk)["topk_indices"]
     out = [topk_sets("topk_indices", cand, oracle["topk_indices"], oracle["index_scores"], tol)]
     if p.chunked:
         native = runner.forward(p.impl, p.case, p.dtype, 0)["topk_indices"]
@@ -74,7 +74,7 @@ def _forward_results(entry: Entry, ref, profile) -> list[CheckResult]:
     p, q = entry.point, entry.quantity
     if q == "topk_indices":
         return _topk_results(entry, ref, profile)
-    cand = runner.forward(p.impl, p.case, p.dtype, p.ichunk)[q]
+    cand = runner.forward(p.impl, p.case, p.dtype, p.ichunk, p.qchunk)[q]
     out = [_versus_oracle(q, cand, ref["float64"][q], ref[p.dtype][q], p.dtype, profile)]
     if p.chunked:
         native = runner.forward(p.impl, p.case, p.dtype, 0)[q]
@@ -89,7 +89,7 @@ def _selection_agreement(entry: Entry, ref, profile) -> CheckResult:
 
 def _loss_results(entry: Entry, ref, profile) -> list[CheckResult]:
     p, q = entry.point, entry.quantity
-    run = runner.loss_and_grads(p.impl, p.case, p.dtype, p.ichunk, p.tchunk, p.mode)
+    run = runner.loss_and_grads(p.impl, p.case, p.dtype, p.ichunk, p.tchunk, p.mode, p.qchunk)
     if q == "input_grads":
         return [exactly_zero(q, run["input_grads"])]
     out = []
@@ -102,7 +102,7 @@ def _loss_results(entry: Entry, ref, profile) -> list[CheckResult]:
         return out
 
     # sparse: conditioned on the oracle's selection, then end to end
-    at_sel = runner.loss_and_grads(p.impl, p.case, p.dtype, p.ichunk, p.tchunk, "sparse_at_oracle")
+    at_sel = runner.loss_and_grads(p.impl, p.case, p.dtype, p.ichunk, p.tchunk, "sparse_at_oracle", p.qchunk)
     sel_golden = _golden_name(q, "sparse_at_oracle")
     oracle_value = ref["float64"][golden]
     baseline = ref[p.dtype][sel_golden]  # torch@t on the oracle's selection: precision noise only
@@ -124,7 +124,7 @@ def _loss_results(entry: Entry, ref, profile) -> list[CheckResult]:
         bound = tolerance.chunk_bound(p.dtype, q)
         out.append(compare_close("chunk@sel", q, at_sel[q], native_sel, bound))
         native_fwd = runner.forward(p.impl, p.case, p.dtype, 0)["topk_indices"]
-        own_fwd = runner.forward(p.impl, p.case, p.dtype, p.ichunk)["topk_indices"]
+        own_fwd = runner.forward(p.impl, p.case, p.dtype, p.ichunk, p.qchunk)["topk_indices"]
         if np.array_equal(np.sort(native_fwd, -1), np.sort(own_fwd, -1)):
             native = runner.loss_and_grads(p.impl, p.case, p.dtype, 0, 0, "sparse")[q]
             out.append(compare_close("chunk", q, run[q], native, bound))

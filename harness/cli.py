@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dtypes", type=_csv(str), help="float32,bfloat16,float16,float64 (default: all)")
     run.add_argument("--ichunks", type=_csv(int), help="indexer chunk sizes (default: the sampled set)")
     run.add_argument("--tchunks", type=_csv(int), help="teacher chunk sizes (default: the sampled set)")
+    run.add_argument("--qchunks", type=_csv(int), help="query chunk sizes, 0 = all rows (default: the sampled set)")
     run.add_argument("--modes", type=_csv(str), help="forward,dense,sparse (default: all)")
     run.add_argument("--full", action="store_true", help="the full chunk cross product (slow)")
     run.add_argument("--impl", default="jax", help="'jax' or a plug-in 'package.module[:factory]'")
@@ -80,6 +81,11 @@ def _validate_run_args(args) -> None:
         for c in args.tchunks or []:
             try:
                 jax_impl.CSAConfig.from_dict({**base, "loss_head_chunk": c})
+            except ValueError as exc:
+                raise ValueError(f"case {name!r}: {exc}") from None
+        for c in args.qchunks or []:
+            try:
+                jax_impl.CSAConfig.from_dict({**base, "query_chunk": c})
             except ValueError as exc:
                 raise ValueError(f"case {name!r}: {exc}") from None
     load_implementation(args.impl)
@@ -148,7 +154,8 @@ def run(args) -> int:
     from .report import format_table, summarise, table, write_reports
 
     _validate_run_args(args)
-    entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.full)
+    entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.full,
+                           args.qchunks)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
     groups: dict[str, list] = {}
@@ -176,14 +183,16 @@ def run(args) -> int:
     finally:
         if progress is not None:
             progress.close()
-    records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["mode"], r["quantity"], r["check"]))
+    records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["qchunk"], r["mode"], r["quantity"],
+                                r["check"]))
     _init_worker(args.precision, fixtures_dir)
     meta = {
         "impl": args.impl,
         "reference": args.reference,
         "tolerance_profile": args.precision,
         "platform": platform_info(args.precision, args.reference),
-        "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "modes", "full")},
+        "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes",
+                                                    "full")},
         "wall_s": time.time() - start,
     }
     paths = write_reports(records, meta, args.out)

@@ -21,6 +21,11 @@ hour on 2 cores; `full=True` restores it for a long run):
   both scans against native on every layout.
 - Forward quantities (keys, scores, top-k) do not depend on the teacher chunk
   or the loss mode: they are checked at teacher chunk 0 only, mode "forward".
+- Query chunks (issue #13, `qchunk`, 0 = all rows): the combined chunk point of every
+  case also walks the queries in blocks of a size that does not divide S (at least 2
+  blocks: the last block holds padding rows), and the sweep cases add two points with
+  query chunking alone, one dividing S and one not (each at least 2 blocks), in float32,
+  bfloat16 and float64 (the dtypes whose rounding differs; float16 runs the combined point).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from .fixtures import PARAM_NAMES
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 TEACHER_CHUNK_DTYPES = ("float32", "float64")
+QUERY_CHUNK_DTYPES = ("float32", "bfloat16", "float64")
 SWEEP_CASES = ("small", "flash_dims")
 FORWARD_QUANTITIES = ("compressed_keys", "index_scores", "topk_indices")
 LOSS_QUANTITIES = ("loss", *(f"grad.{p}" for p in PARAM_NAMES), "input_grads")
@@ -52,15 +58,17 @@ class Point:
     tchunk: int
     mode: str
     impl: str = "jax"
+    qchunk: int = 0  # query rows per block (issue #13); 0 = all rows
 
     @property
     def chunked(self) -> bool:
-        return bool(self.ichunk or self.tchunk)
+        return bool(self.ichunk or self.tchunk or self.qchunk)
 
     @property
     def label(self) -> str:
         impl = "" if self.impl == "jax" else f" impl={self.impl}"
-        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk} {self.mode}{impl}"
+        q = f" qchunk={self.qchunk}" if self.qchunk else ""
+        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q} {self.mode}{impl}"
 
     @property
     def group(self) -> str:
@@ -77,7 +85,8 @@ class Entry:
     def id(self) -> str:
         p = self.point
         impl = "" if p.impl == "jax" else f"{p.impl}-"
-        return f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}-{p.mode}-{self.quantity}"
+        q = f"-qchunk{p.qchunk}" if p.qchunk else ""
+        return f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}-{p.mode}-{self.quantity}"
 
     @property
     def kind(self) -> str:
@@ -93,14 +102,20 @@ class Entry:
         return "forward"
 
 
+def combined_pair(case: str) -> tuple[int, int]:
+    """The combined point's (indexer chunk, teacher chunk): the second-smallest divisor of each."""
+    cfg = CASES[case].config
+    hi, h = cfg["index_n_heads"], cfg["num_query_heads"]
+    return (divisors(hi)[1] if hi > 1 else 1, divisors(h)[1] if h > 1 else 1)
+
+
 def chunk_pairs(case: str, dtype: str, full: bool = False) -> list[tuple[int, int]]:
     """The (indexer chunk, teacher chunk) pairs run for a case and dtype (see the module doc)."""
     cfg = CASES[case].config
     hi, h = cfg["index_n_heads"], cfg["num_query_heads"]
     if full:
         return [(i, t) for i in [0, *divisors(hi)] for t in [0, *divisors(h)]]
-    smallest = (divisors(hi)[1] if hi > 1 else 1, divisors(h)[1] if h > 1 else 1)
-    pairs = [(0, 0), smallest]
+    pairs = [(0, 0), combined_pair(case)]
     if case in SWEEP_CASES:
         ichunks = divisors(hi) if dtype != "float16" else sorted({1, hi})
         pairs += [(c, 0) for c in ichunks]
@@ -109,19 +124,44 @@ def chunk_pairs(case: str, dtype: str, full: bool = False) -> list[tuple[int, in
     return sorted(set(pairs))
 
 
+def query_chunk_sizes(seq_len: int) -> tuple[int, int]:
+    """(dividing, non-dividing) query chunks of a sequence, each giving at least 2 blocks where
+    S allows: the largest divisor of S up to S/4 (4 blocks when 4 divides S) and the largest
+    non-divisor up to S/3 (at least 3 blocks, the last one short). 0 where none exists."""
+    dividing = max([d for d in divisors(seq_len) if d <= seq_len // 4 and d < seq_len] or [0])
+    non_dividing = max([r for r in range(1, seq_len // 3 + 1) if seq_len % r] or
+                       [r for r in range(1, seq_len) if seq_len % r] or [0])
+    return dividing, non_dividing
+
+
+def chunk_points(case: str, dtype: str, full: bool = False) -> list[tuple[int, int, int]]:
+    """The (indexer chunk, teacher chunk, query chunk) triples run for a case and dtype:
+    chunk_pairs, the combined pair with the non-dividing query chunk folded in, and on the
+    sweep cases query chunking alone (see the module doc)."""
+    pairs = chunk_pairs(case, dtype, full)
+    dividing, non_dividing = query_chunk_sizes(CASES[case].seq_len)
+    if full:
+        return sorted({(i, t, q) for i, t in pairs for q in {0, dividing, non_dividing}})
+    combined = combined_pair(case)
+    points = [(i, t, non_dividing if (i, t) == combined else 0) for i, t in pairs]
+    if case in SWEEP_CASES and dtype in QUERY_CHUNK_DTYPES:
+        points += [(0, 0, q) for q in (dividing, non_dividing) if q]
+    return sorted(set(points))
+
+
 def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None,
-                 impl: str = "jax", full: bool = False) -> list[Entry]:
-    """All entries. None = the sampling rule's choice; explicit `ichunks` / `tchunks`
-    replace the sampled chunk pairs of every case by their cross product (a missing
-    one counts as [0])."""
+                 impl: str = "jax", full: bool = False, qchunks=None) -> list[Entry]:
+    """All entries. None = the sampling rule's choice; explicit `ichunks` / `tchunks` /
+    `qchunks` replace the sampled chunk points of every case by their cross product (a
+    missing one counts as [0])."""
     entries = []
     for case in cases or CASES:
         for dtype in dtypes or DTYPES:
-            if ichunks is None and tchunks is None:
-                pairs = chunk_pairs(case, dtype, full)
+            if ichunks is None and tchunks is None and qchunks is None:
+                points = chunk_points(case, dtype, full)
             else:
-                pairs = [(i, t) for i in (ichunks or [0]) for t in (tchunks or [0])]
-            for ichunk, tchunk in pairs:
+                points = [(i, t, q) for i in (ichunks or [0]) for t in (tchunks or [0]) for q in (qchunks or [0])]
+            for ichunk, tchunk, qchunk in points:
                 for mode in modes or MODES:
                     if mode == "forward":
                         if tchunk:
@@ -129,6 +169,6 @@ def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None
                         quantities = FORWARD_QUANTITIES
                     else:
                         quantities = LOSS_QUANTITIES
-                    point = Point(case, dtype, ichunk, tchunk, mode, impl)
+                    point = Point(case, dtype, ichunk, tchunk, mode, impl, qchunk)
                     entries.extend(Entry(point, q) for q in quantities)
     return entries

@@ -143,7 +143,8 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
     failed, checks, error = [], 0, ""
     for spec in points:
         p = Point.parse(spec) if isinstance(spec, str) else spec
-        entries = build_matrix(cases=[p.case], dtypes=[p.dtype], ichunks=[p.ichunk], tchunks=[p.tchunk])
+        entries = build_matrix(cases=[p.case], dtypes=[p.dtype], ichunks=[p.ichunk], tchunks=[p.tchunk],
+                               qchunks=[p.qchunk])
         try:
             for entry in entries:
                 results = evaluate(entry, reference)
@@ -202,7 +203,7 @@ def forked(conn, kwargs) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.mutation_worker")
     ap.add_argument("--impl-root", required=True, help="directory holding the jax_impl copy to import")
-    ap.add_argument("--point", action="append", default=[], help="case:dtype:ichunk:tchunk (repeatable)")
+    ap.add_argument("--point", action="append", default=[], help="case:dtype:ichunk:tchunk[:qchunk] (repeatable)")
     ap.add_argument("--problem", action="append", default=[],
                     help="a pinned random problem of harness.random_configs (repeatable; live torch)")
     ap.add_argument("--memory", action="store_true", help="run the compile-only memory check")

@@ -63,14 +63,15 @@ class Point:
     dtype: str
     ichunk: int = 0
     tchunk: int = 0
+    qchunk: int = 0
 
     def spec(self) -> str:
-        return f"{self.case}:{self.dtype}:{self.ichunk}:{self.tchunk}"
+        return f"{self.case}:{self.dtype}:{self.ichunk}:{self.tchunk}" + (f":{self.qchunk}" if self.qchunk else "")
 
     @classmethod
     def parse(cls, text: str) -> "Point":
-        case, dtype, ichunk, tchunk = text.split(":")
-        return cls(case, dtype, int(ichunk), int(tchunk))
+        case, dtype, ichunk, tchunk, *qchunk = text.split(":")
+        return cls(case, dtype, int(ichunk), int(tchunk), int(qchunk[0]) if qchunk else 0)
 
 
 # The slices. tiny (B=1, S=16, HI=2, H=2, W=4, k=2) is the cheapest problem with a top-k
@@ -86,6 +87,10 @@ PACKED64 = Point("packed", "float64")
 # only where XLA's fusion of the native program keeps excess precision that the chunked one
 # does not (measured: killed on small at chunks 2 and 8, survives every tiny bf16/f16 point).
 SMALL_BF16_ICHUNK = Point("small", "bfloat16", ichunk=2)
+# Query chunk 5 of tiny's S = 16 (issue #13): 4 blocks of 5, 5, 5, 1 rows, so the last block
+# holds 4 padding rows; float64, where `exact64` and the `chunk` check against native see any
+# row out of place.
+TINY64_QCHUNK = Point("tiny", "float64", qchunk=5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +277,40 @@ CATALOGUE: tuple[Mutant, ...] = (
         "the indexer scan body not wrapped in jax.checkpoint: same numbers, but the backward "
         "keeps every chunk's queries (an all-heads q)",
         memory=True,
+    ),
+    Mutant(
+        "qchunk_normaliser_per_block", "chunking", "query_blocks.py",
+        "        return None, (kl, valid_tok)\n",
+        "        return None, (kl / jnp.maximum(jnp.sum(valid_tok), 1), valid_tok)\n",
+        ("chunk", "exact64"), (TINY64_QCHUNK,),
+        "query blocks: each block's KL sum divided by its own count of valid rows and the blocks' "
+        "means summed, instead of one global sum over one global count",
+        more=(("    count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)\n",
+               "    count = jnp.ones((), wide)\n"),),
+    ),
+    Mutant(
+        "qchunk_padding_rows_valid", "chunking", "query_blocks.py",
+        "    valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None]\n",
+        "    valid = rows_validity(pos, seg, blocks, cfg.compress_ratio)\n",
+        ("chunk", "exact64"), (TINY64_QCHUNK,),
+        "query blocks: the padding rows of the last block (S not a multiple of r) counted as valid "
+        "rows (they repeat row S-1, so its KL term is counted again)",
+    ),
+    Mutant(
+        "qchunk_last_block_clamped_slice", "chunking", "query_blocks.py",
+        '    return jnp.take(a, rows, axis=1, mode="clip")\n',
+        "    return jax.lax.dynamic_slice_in_dim(a, rows[0], rows.shape[0], axis=1)\n",
+        ("chunk", "exact64"), (TINY64_QCHUNK,),
+        "query blocks: each block read with dynamic_slice, which clamps the last block's start to "
+        "S - r: its rows are earlier rows again (duplicated), taken for the last rows",
+    ),
+    Mutant(
+        "qchunk_positions_from_block_0", "chunking", "query_blocks.py",
+        '    pos = _take_rows(inputs["position_ids"], rows)\n',
+        '    pos = _take_rows(inputs["position_ids"], rows - start)\n',
+        ("chunk", "exact64"), (TINY64_QCHUNK,),
+        "query blocks: every block's positions read from block 0 (RoPE and the causal mask of "
+        "later blocks at the first block's positions)",
     ),
     # ---------------------------------------------------------------- loss (SPEC section 8)
     Mutant(

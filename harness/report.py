@@ -30,6 +30,7 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "dtype": p.dtype,
         "ichunk": p.ichunk,
         "tchunk": p.tchunk,
+        "qchunk": p.qchunk,
         "mode": p.mode,
         "impl": p.impl,
         "quantity": entry.quantity,
@@ -163,8 +164,8 @@ def heatmap(records: list[dict], path: str) -> None:
     from matplotlib.colors import BoundaryNorm, ListedColormap
 
     dtypes = sorted({r["dtype"] for r in records}, key=["float64", "float32", "bfloat16", "float16"].index)
-    chunks = sorted({(r["ichunk"], r["tchunk"]) for r in records})
-    labels = [f"i{i}/t{t}" for i, t in chunks]
+    chunks = sorted({(r["ichunk"], r["tchunk"], r.get("qchunk", 0)) for r in records})
+    labels = [f"i{i}/t{t}" + (f"/q{q}" if q else "") for i, t, q in chunks]
     cols = [c for c in COLUMNS if any(column_of(r["quantity"]) == c for r in records)]
     # Green shades below the bound (ratio <= 1), red above; white: not applicable.
     edges = [0.0, 1e-3, 1e-2, 0.1, 0.5, 1.0, 2.0, 10.0, 1e300]
@@ -177,7 +178,7 @@ def heatmap(records: list[dict], path: str) -> None:
         for r in records:
             if column_of(r["quantity"]) != col:
                 continue
-            i, j = chunks.index((r["ichunk"], r["tchunk"])), dtypes.index(r["dtype"])
+            i, j = chunks.index((r["ichunk"], r["tchunk"], r.get("qchunk", 0))), dtypes.index(r["dtype"])
             v = min(_ratio(r), 1e300)
             grid[i, j] = v if np.isnan(grid[i, j]) else max(grid[i, j], v)
         im = ax.imshow(grid, norm=norm, cmap=cmap, aspect="auto")

@@ -75,8 +75,10 @@ def _reference(case: str, source: str, directory: str | None) -> dict[str, dict[
     return ref
 
 
-def _config(impl, case: str, ichunk: int, tchunk: int, sparse: bool):
+def _config(impl, case: str, ichunk: int, tchunk: int, sparse: bool, qchunk: int = 0):
     cfg = dict(fixture(case).config, indexer_head_chunk=ichunk, loss_head_chunk=tchunk, sparse_loss=sparse)
+    if qchunk:  # a run-time knob, not in the fixture's config; passed only when set (issue #13)
+        cfg["query_chunk"] = qchunk
     return impl.config(cfg)
 
 
@@ -87,19 +89,20 @@ def _host_run(loss, pg, ig) -> dict:
     return out
 
 
-def run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int) -> dict:
+def run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, qchunk: int = 0) -> dict:
     """All outputs of one (implementation, case, dtype, chunks):
     {"forward": {quantity: array}, mode: {"loss", "grad.<param>", "input_grads"} for MODES}.
     Uses the implementation's optional `indexer_parity_bundle` (one compiled program) when
     it has one, else the protocol's two entry points (four programs)."""
-    return _run_point(impl_spec, case, dtype, ichunk, tchunk, fixtures_dir())
+    return _run_point(impl_spec, case, dtype, ichunk, tchunk, fixtures_dir(), qchunk)
 
 
 @functools.lru_cache(maxsize=None)
-def _run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, directory: str | None) -> dict:
+def _run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, directory: str | None,
+               qchunk: int = 0) -> dict:
     impl, fx = implementation(impl_spec), _fixture(case, directory)
     oracle_selection = fx.goldens["float64"]["topk_indices"]
-    dense_cfg = _config(impl, case, ichunk, tchunk, False)
+    dense_cfg = _config(impl, case, ichunk, tchunk, False, qchunk)
     validate = getattr(impl.api, "validate_inputs", None)  # optional: host-side value checks
     if validate is not None:
         validate(fx.params, fx.inputs, dense_cfg, oracle_selection)
@@ -108,7 +111,7 @@ def _run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, 
         raw = bundle(fx.params, fx.inputs, dense_cfg, dtype, oracle_selection)
         raw = {**raw, "sparse_at_oracle": raw.pop("sparse_at_selection")}
     else:
-        sparse_cfg = _config(impl, case, ichunk, tchunk, True)
+        sparse_cfg = _config(impl, case, ichunk, tchunk, True, qchunk)
         raw = {"forward": impl.api.indexer_forward(fx.params, fx.inputs, dense_cfg, dtype)}
         for mode, cfg, sel in (("dense", dense_cfg, None), ("sparse", sparse_cfg, None),
                                ("sparse_at_oracle", sparse_cfg, oracle_selection)):
@@ -118,15 +121,16 @@ def _run_point(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, 
     return out
 
 
-def forward(impl_spec: str, case: str, dtype: str, ichunk: int) -> dict[str, np.ndarray]:
-    return run_point(impl_spec, case, dtype, ichunk, 0)["forward"]
+def forward(impl_spec: str, case: str, dtype: str, ichunk: int, qchunk: int = 0) -> dict[str, np.ndarray]:
+    return run_point(impl_spec, case, dtype, ichunk, 0, qchunk)["forward"]
 
 
-def loss_and_grads(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, mode: str) -> dict:
+def loss_and_grads(impl_spec: str, case: str, dtype: str, ichunk: int, tchunk: int, mode: str,
+                   qchunk: int = 0) -> dict:
     """{"loss": scalar, "grad.<param>": array, "input_grads": {name: array}} for one mode."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not supported (valid: {', '.join(MODES)})")
-    return run_point(impl_spec, case, dtype, ichunk, tchunk)[mode]
+    return run_point(impl_spec, case, dtype, ichunk, tchunk, qchunk)[mode]
 
 
 def clear_caches() -> None:

@@ -57,6 +57,7 @@ class CSAConfig:
     norm_eps: float = 1e-6
     indexer_head_chunk: int = 0
     loss_head_chunk: int = 0
+    query_chunk: int = 0
     sparse_loss: bool = False
     loss_scale: float = 1.0
 
@@ -83,6 +84,8 @@ class CSAConfig:
                 raise ValueError(f"{name}={v!r} must be finite and > 0")
         _check_chunk("indexer_head_chunk", self.indexer_head_chunk, "index_n_heads", self.index_n_heads)
         _check_chunk("loss_head_chunk", self.loss_head_chunk, "num_query_heads", self.num_query_heads)
+        if not (_is_int(self.query_chunk) and self.query_chunk >= 0):
+            raise ValueError(f"query_chunk={self.query_chunk!r} must be an int >= 0 (0: all rows at once)")
         if not isinstance(self.sparse_loss, bool):
             raise ValueError(f"sparse_loss={self.sparse_loss!r} must be a bool")
         if not _is_number(self.loss_scale):

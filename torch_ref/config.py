@@ -66,6 +66,7 @@ class CSAConfig:
     norm_eps: float = 1e-6
     indexer_head_chunk: int = 0
     loss_head_chunk: int = 0
+    query_chunk: int = 0
     sparse_loss: bool = False
     loss_scale: float = 1.0
 
@@ -98,6 +99,9 @@ class CSAConfig:
                     raise ValueError(
                         _chunk_message(name, v, "num_query_heads", self.num_query_heads)
                     )
+            elif name == "query_chunk":
+                if not (_is_int(v) and v >= 0):
+                    raise ValueError(f"query_chunk={v!r} must be an int >= 0 (0: all rows at once)")
             elif name == "sparse_loss":
                 if not isinstance(v, bool):
                     raise ValueError(f"sparse_loss={v!r} must be a bool")

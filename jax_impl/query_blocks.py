@@ -1,0 +1,175 @@
+"""The query-blocked training path (SPEC section 7, `query_chunk = r > 0`).
+
+Every row of sections 7 and 8 (a query's scores, validity, top-k, teacher row,
+student row, KL term) depends on no other row; only the loss's normaliser
+count(valid_tok) is global. So the loss walks the query axis in blocks of r rows
+with `jax.lax.scan`, the body under `jax.checkpoint`: the forward keeps one block's
+[B, r, W] arrays, and the backward recomputes one block at a time, so that no
+[B, S, W] array of any dtype (scores, validity, the sparse selection mask, the
+teacher distribution, the student log-probabilities, their cotangents) exists.
+Head chunking nests inside a block (`raw_scores`, `teacher_head_sum` run on the
+block's rows). The compressed keys are computed once, for the whole sequence,
+before the scan; their cotangent is summed over the blocks by the scan.
+
+Rows: block i holds rows i*r .. i*r + r - 1. When r does not divide S the last
+block runs past S: `_take_rows` reads every input per block with a clamped
+gather (those rows repeat row S-1; nothing is padded or copied whole), and
+`row_ok` marks them as padding: they have no valid block, so they are never
+valid rows, never counted, and their outputs are cut off before anything is
+returned. The scan emits each row's KL term and validity ([B, r] per block, about
+[B, S] in all, negligible next to [B, S, W]); the loss is then formed as the
+unblocked path forms it, one global sum divided by one global count, over those
+outputs as they come (the padding rows hold 0 and count as invalid because `row_ok`
+says so, and only because of it).
+
+The forward API (`forward`) assembles the full [B, S, W] scores and top-k from
+the blocks, for parity; the memory promise is the loss and its gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .config import resolve_dtype
+from .loss import kl_per_token, loss_keep, teacher_distribution
+from .pooling import compress_keys
+from .precision import round_to
+from .scoring import head_weights, key_blocks, mask_scores, raw_scores, rows_validity, topk_indices
+
+
+# The parameters of the keys (used once, before the scan) and of the query rows (per block).
+_KEY_PARAMS = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm")
+_QUERY_PARAMS = ("indexer.wq_b", "indexer.weights_proj")
+
+
+def num_query_blocks(seq_len: int, r: int) -> int:
+    """ceil(S / r): the scan length."""
+    return -(-seq_len // r)
+
+
+def block_rows(cfg, seq_len: int) -> int:
+    """Rows per block: query_chunk, at most S (a single block never holds padding rows only)."""
+    return max(1, min(cfg.query_chunk, seq_len))
+
+
+def _take_rows(a, rows):
+    """a[:, rows] (rows [r] int): a clamped gather, so rows past S repeat row S-1 (masked
+    by `row_ok`). Reads one block; never pads or copies `a` whole."""
+    return jnp.take(a, rows, axis=1, mode="clip")
+
+
+def _unblock(ys, seq_len: int):
+    """[nb, B, r, ...] scan outputs -> [B, S, ...]: the blocks in row order, padding rows cut."""
+    nb, b, r = ys.shape[:3]
+    out = jnp.moveaxis(ys, 0, 1).reshape(b, nb * r, *ys.shape[3:])
+    return out[:, :seq_len]
+
+
+def _setup(params, inputs, cfg, dtype_name):
+    """Everything computed once for the whole sequence, before the scan: the compressed keys
+    [B, W, DI] (in the compute dtype, and widened: see below) and the key blocks' validity data.
+
+    The scan body closes over wide values only: the scan sums their cotangents over the
+    blocks, so closing over a bfloat16 value (the keys, a parameter cast to the compute
+    dtype) would add the blocks' gradients in bfloat16 (measured: 1.3e-2 of a bfloat16
+    gradient at r = 1, S = 40). The body casts the parameters it uses itself; the keys'
+    widening is exact and is what `raw_scores` does anyway."""
+    dtype, wide = resolve_dtype(dtype_name)
+    p = {k: round_to(params[k], dtype) for k in _KEY_PARAMS}
+    # The indexer never trains the hidden states (the keys need every row of them).
+    x = round_to(jax.lax.stop_gradient(inputs["hidden_states"]), dtype)
+    pos, seg = inputs["position_ids"], inputs["segment_ids"]
+    keys = compress_keys(
+        x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
+    )
+    return keys, keys.astype(wide), key_blocks(pos, seg, cfg, x.shape[1])
+
+
+def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name):
+    """One block of rows start .. start + r - 1: (masked scores [B, r, W] wide, validity
+    [B, r, W], top-k [B, r, k_eff], the rows [r]). params and keys wide."""
+    dtype, wide = resolve_dtype(dtype_name)
+    p = {k: round_to(params[k], dtype) for k in _QUERY_PARAMS}
+    seq_len = inputs["position_ids"].shape[1]
+    rows = start + jnp.arange(r)
+    row_ok = rows < seq_len  # False on the padding rows of the last block
+    x = round_to(_take_rows(jax.lax.stop_gradient(inputs["hidden_states"]), rows), dtype)
+    q_latent = round_to(_take_rows(jax.lax.stop_gradient(inputs["q_latent"]), rows), dtype)
+    pos = _take_rows(inputs["position_ids"], rows)
+    seg = _take_rows(inputs["segment_ids"], rows)
+    hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
+    scores = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, cfg, wide)
+    valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None]
+    masked = mask_scores(scores, valid)
+    return masked, valid, topk_indices(masked, valid, cfg.index_topk), rows
+
+
+def _starts(seq_len: int, r: int):
+    return jnp.arange(num_query_blocks(seq_len, r), dtype=jnp.int32) * r
+
+
+def forward(params, inputs, cfg, dtype_name):
+    """{compressed_keys [B, W, DI], index_scores [B, S, W] (wide, -inf where invalid),
+    topk_indices [B, S, k_eff]}, computed block by block and assembled."""
+    seq_len = inputs["position_ids"].shape[1]
+    keys, keys_wide, blocks = _setup(params, inputs, cfg, dtype_name)
+    r = block_rows(cfg, seq_len)
+
+    def body(_, start):
+        masked, _, topk, _ = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name)
+        return None, (masked, topk)
+
+    _, (masked, topk) = jax.lax.scan(body, None, _starts(seq_len, r))
+    return {"compressed_keys": keys, "index_scores": _unblock(masked, seq_len),
+            "topk_indices": _unblock(topk, seq_len)}
+
+
+def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
+    """The scalar KL loss (wide dtype) of SPEC section 8, query block by query block.
+
+    Same arguments as the unblocked loss: params already wide, the inputs as stored,
+    `selection` [B, S, k_eff] (or None) overriding the own top-k in sparse mode; it is
+    read block by block like every other input."""
+    dtype, wide = resolve_dtype(dtype_name)
+    inputs = {**float_inputs, **int_inputs}
+    b, seq_len = inputs["position_ids"].shape
+    if cfg.num_blocks(seq_len) == 0:
+        return jnp.zeros((), wide)
+    _, keys_wide, blocks = _setup(params, inputs, cfg, dtype_name)
+    # teacher_kv is [B, W, D]: rounded once; teacher_query [B, S, H, D] only per block.
+    tkv = jax.lax.stop_gradient(round_to(inputs["teacher_kv"], dtype).astype(wide))
+    r = block_rows(cfg, seq_len)
+
+    @jax.checkpoint
+    def body(_, start):
+        masked, valid, topk, rows = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name)
+        sel = None if selection is None else _take_rows(selection, rows)
+        keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
+        tq = _take_rows(inputs["teacher_query"], rows)
+        tq = jax.lax.stop_gradient(round_to(tq, dtype).astype(wide))
+        t = jax.lax.stop_gradient(teacher_distribution(tq, tkv, keep, valid_tok, cfg.loss_head_chunk))
+        kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
+        return None, (kl, valid_tok)
+
+    # kl, valid_tok: [nb, B, r]. The padding rows of the last block are in there: `row_ok`
+    # made them rows with no valid block, so their KL term is 0 and they are not counted.
+    _, (kl, valid_tok) = jax.lax.scan(body, None, _starts(seq_len, r))
+    # The normaliser is global: every block's valid rows, counted once, divided once.
+    count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)
+    return cfg.loss_scale * jnp.sum(kl) / count
+
+
+def parity_bundle(params, float_inputs, int_inputs, selection, cfg, dtype_name):
+    """What jax_impl.api's parity bundle returns, on the blocked path: the forward and,
+    per mode (dense, sparse, sparse at `selection`), (loss, param_grads, input_grads)."""
+    out = {"forward": forward(params, {**float_inputs, **int_inputs}, cfg, dtype_name)}
+    modes = {"dense": (False, None), "sparse": (True, None), "sparse_at_selection": (True, selection)}
+    for mode, (sparse, sel) in modes.items():
+        c = dataclasses.replace(cfg, sparse_loss=sparse)
+        value, (pg, ig) = jax.value_and_grad(loss, argnums=(0, 1))(
+            params, float_inputs, int_inputs, sel, c, dtype_name)
+        out[mode] = (value, pg, ig)
+    return out
