@@ -38,8 +38,10 @@ def _golden_name(quantity: str, mode: str) -> str:
 def _dims(case: str) -> dict:
     """The problem sizes the reduction-length floors read (harness.tolerance.reduction_length)."""
     c = CASES[case]
-    return {"B": c.batch, "S": c.seq_len, "W": c.num_blocks, "HI": c.config["index_n_heads"],
-            "DI": c.config["index_head_dim"]}
+    cfg = c.config
+    return {"B": c.batch, "S": c.seq_len, "W": c.num_blocks, "HI": cfg["index_n_heads"],
+            "DI": cfg["index_head_dim"], "R": cfg["q_lora_rank"], "E": cfg["emb_dim"],
+            "m": cfg["compress_ratio"]}
 
 
 # issue 14 hook: the torch-at-dtype error is the max over K evaluation orders stored in the

@@ -400,7 +400,7 @@ def torch_goldens(inputs: Mapping[str, np.ndarray], params: Mapping[str, np.ndar
 # the semantics (heads and rows are sets: tests/test_torch_ref.py
 # test_head_permutation_invariance_float64); compressed blocks are NOT permuted (their order
 # is causal semantics). Outputs are permuted back, and the error is the max over the K orders
-# (order 0 is the stored one, so orderr >= the stored golden's own error). Stored per low
+# (order 0 is the stored goldens' own, so orderr >= the stored golden's error). Stored per low
 # dtype as the float64 scalar `golden.<dtype>.orderr.<golden quantity>` for the quantities the
 # oracle checks compare with (harness.checks): compressed_keys, index_scores and the dense
 # and sparse-at-oracle loss and gradients. Errors are harness.compare.normalised_error.
@@ -448,14 +448,21 @@ def order_errors(inputs: Mapping[str, np.ndarray], params: Mapping[str, np.ndarr
     HI, DI, H = cfg["index_n_heads"], cfg["index_head_dim"], cfg["num_query_heads"]
     B = inputs["hidden_states"].shape[0]
     oracle_topk = goldens["golden.float64.topk_indices"]
-    grad_of = {"dense": "dense", "sparse_at_oracle": "sparse"}
 
     def host(t) -> np.ndarray:
         return t.detach().cpu().double().numpy()
 
-    worst: dict[str, float] = {}
+    def error(q: str, value) -> float:
+        oracle = goldens[f"golden.float64.{q.replace('sparse_at_oracle', 'sparse', 1)}"]
+        err, _, _ = normalised_error(value, oracle, "row" if q == "index_scores" else "tensor")
+        return err
+
+    # Order 0 is the stored goldens themselves (not a rerun: a rerun of the same order on
+    # copied, differently aligned buffers can round differently in the CPU kernels).
+    worst = {f"golden.{dt}.orderr.{q}": error(q, np.asarray(goldens[f"golden.{dt}.{q}"], np.float64))
+             for dt in LOW_DTYPES for q in ORDERR_QUANTITIES}
     with _deterministic_torch():
-        for pb, pi, pt in evaluation_orders(B, HI, H):
+        for pb, pi, pt in evaluation_orders(B, HI, H)[1:]:
             pp = dict(params)
             pp["indexer.wq_b"] = params["indexer.wq_b"].reshape(-1, HI, DI)[:, pi].reshape(-1, HI * DI)
             pp["indexer.weights_proj"] = params["indexer.weights_proj"][:, pi]
@@ -478,12 +485,8 @@ def order_errors(inputs: Mapping[str, np.ndarray], params: Mapping[str, np.ndarr
                             g = g[:, np.argsort(pi)]
                         got[f"grad.{mode}.{p}"] = g
                 for q in ORDERR_QUANTITIES:
-                    mode_q = q.replace("sparse_at_oracle", grad_of["sparse_at_oracle"], 1)
-                    oracle = goldens[f"golden.float64.{mode_q}"]
-                    scale = "row" if q == "index_scores" else "tensor"
-                    err, _, _ = normalised_error(got[q], oracle, scale)
                     name = f"golden.{dt}.orderr.{q}"
-                    worst[name] = max(worst.get(name, 0.0), err)
+                    worst[name] = max(worst[name], error(q, got[q]))
     return {name: np.asarray(err, np.float64) for name, err in sorted(worst.items())}
 
 

@@ -52,22 +52,30 @@ FLOOR = {
 # implementation sums it, so an equally good JAX error can sit sqrt(n) u above a lucky torch
 # draw. The reductions are carried in float32 (the wide dtype) for every dtype but float64,
 # so the unit roundoff is float32's, u = 2^-24, for float32, bfloat16 and float16 alike
-# (for bfloat16/float16 the per-dtype floors above stay larger: 2^-9, 2^-12 > 45 u).
-#   index_scores: n = index_n_heads * index_head_dim, the products summed into one score
-#     (DI per head, HI heads): tiny 16 (floor 4 u = 2.4e-7), small 256 (16 u = 9.5e-7),
-#     flash_dims 8192 (91 u = 5.4e-6).
+# (for bfloat16/float16 the per-dtype floors above stay larger: 2^-9, 2^-12 > 100 u).
+# Independent roundings of the sums on one result's path add in quadrature, so n counts the
+# terms of every sum that reaches the result:
+#   index_scores: n = HI * DI + R + E: the HI*DI products summed into one score (DI per
+#     head, HI heads), each fed by a query projected over R = q_lora_rank terms and a key
+#     projected over E = emb_dim terms: tiny 48 (floor 6.9 u = 4.1e-7), small 352 (18.8 u),
+#     flash_dims 8272 (91 u = 5.4e-6).
+#   compressed_keys: n = E + 2 * m + DI: the key projection (E terms), the softmax pool over
+#     2 * compress_ratio slots and the RMS norm's mean over DI: tiny 32 (5.7 u), small and
+#     all_invalid 104 (10.2 u).
 #   grad.*: n = B * S * W, the (query, block) terms of the loss that every parameter
 #     gradient sums (each reaches a parameter through its score), as for the loss floor:
 #     tiny 64 (8 u = 4.8e-7), small/packed 2048 (45 u = 2.7e-6), flash_dims 1024 (32 u).
-# At most sqrt(n) u: never more. compressed_keys and the loss keep the floors above.
+# At most sqrt(n) u: never more. The loss keeps its floor above (same random walk, n = 2048).
 WIDE_U = 2.0**-24
 
 
 def reduction_length(quantity: str, dims: dict) -> int | None:
-    """n of the floor above for `quantity` of a problem with dims {B, S, W, HI, DI}, or None
-    when the quantity's floor does not scale."""
+    """n of the floor above for `quantity` of a problem with dims {B, S, W, HI, DI, R, E, m},
+    or None when the quantity's floor does not scale."""
     if quantity == "index_scores":
-        return dims["HI"] * dims["DI"]
+        return dims["HI"] * dims["DI"] + dims["R"] + dims["E"]
+    if quantity == "compressed_keys":
+        return dims["E"] + 2 * dims["m"] + dims["DI"]
     if quantity.startswith("grad"):
         return dims["B"] * dims["S"] * dims["W"]
     return None

@@ -107,12 +107,13 @@ def test_default_profile_floor_is_per_backend():
 
 def test_reduction_floors_grow_as_sqrt_n_unit_roundoffs():
     u = 2.0**-24
-    tiny = {"B": 1, "S": 16, "W": 4, "HI": 2, "DI": 8}
-    small = {"B": 2, "S": 64, "W": 16, "HI": 8, "DI": 32}
+    tiny = {"B": 1, "S": 16, "W": 4, "HI": 2, "DI": 8, "R": 16, "E": 16, "m": 4}
+    small = {"B": 2, "S": 64, "W": 16, "HI": 8, "DI": 32, "R": 32, "E": 64, "m": 4}
+    assert checks._dims("tiny") == tiny and checks._dims("small") == small
     assert tolerance.floor("float32", "grad.indexer.wkv", dims=tiny) == 8 * u  # sqrt(1*16*4)
     assert tolerance.floor("float32", "grad.indexer.wkv", dims=small) == pytest.approx(2048**0.5 * u)
-    assert tolerance.floor("float32", "index_scores", dims=tiny) == 4 * u  # sqrt(2*8)
-    assert tolerance.floor("float32", "compressed_keys", dims=small) == u  # does not scale
+    assert tolerance.floor("float32", "index_scores", dims=tiny) == pytest.approx(48**0.5 * u)  # 2*8 + 16 + 16
+    assert tolerance.floor("float32", "compressed_keys", dims=small) == pytest.approx(104**0.5 * u)  # 64 + 8 + 32
     assert tolerance.floor("float32", "loss", dims=small) == tolerance.FLOOR["float32"]["loss"]
     # bfloat16's own floor is larger than any of these: unchanged
     assert tolerance.floor("bfloat16", "grad.indexer.wkv", dims=small) == tolerance.FLOOR["bfloat16"]["grad"]
