@@ -19,7 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from . import runner, tolerance
+from . import platforms, runner, tolerance
+from .cases import CASES
 from .compare import CheckResult, compare_close, exactly_zero, normalised_error, oracle_relative, topk_sets
 from .matrix import Entry
 
@@ -34,17 +35,36 @@ def _golden_name(quantity: str, mode: str) -> str:
     return f"loss.{mode}" if quantity == "loss" else f"grad.{mode}.{quantity[len('grad.'):]}"
 
 
-def _versus_oracle(quantity, candidate, oracle, torch_t, dtype, profile, check="oracle") -> CheckResult:
+def _dims(case: str) -> dict:
+    """The problem sizes the reduction-length floors read (harness.tolerance.reduction_length)."""
+    c = CASES[case]
+    cfg = c.config
+    return {"B": c.batch, "S": c.seq_len, "W": c.num_blocks, "HI": cfg["index_n_heads"],
+            "DI": cfg["index_head_dim"], "R": cfg["q_lora_rank"], "E": cfg["emb_dim"],
+            "m": cfg["compress_ratio"]}
+
+
+# issue 14 hook: the torch-at-dtype error is the max over K evaluation orders stored in the
+# fixture (`orderr.<golden quantity>`), and the floor scales with the case's reduction lengths
+# and the backend's matmul precision.
+def _versus_oracle(quantity, candidate, oracle, torch_t, dtype, profile, check="oracle",
+                   case=None, order_error=None) -> CheckResult:
     if dtype == "float64":
         r = compare_close("exact64", quantity, candidate, oracle, tolerance.EXACT64, _scale(quantity))
     else:
         kind = tolerance.kind_of(quantity)
-        r = oracle_relative(quantity, candidate, oracle, torch_t, tolerance.ALPHA[kind],
-                            tolerance.floor(dtype, quantity, profile), _scale(quantity))
+        floor = tolerance.floor(dtype, quantity, profile, platforms.current_backend(),
+                                _dims(case) if case else None)
+        r = oracle_relative(quantity, candidate, oracle, torch_t, tolerance.ALPHA[kind], floor,
+                            _scale(quantity), order_error)
     return dataclasses.replace(r, check=check if dtype != "float64" else f"exact64{check[6:]}")
 
 
-def score_tolerance(ref, dtype: str, profile: str = "highest") -> np.ndarray:
+def _order_error(ref, dtype: str, golden: str):
+    return ref[dtype].get(f"orderr.{golden}")
+
+
+def score_tolerance(ref, dtype: str, profile: str = "highest", case: str | None = None) -> np.ndarray:
     """Absolute score tolerance per query [B, S]: the index_scores bound times the row's
     largest |oracle score| (the bound is normalised per row)."""
     oracle = ref["float64"]["index_scores"]
@@ -52,7 +72,12 @@ def score_tolerance(ref, dtype: str, profile: str = "highest") -> np.ndarray:
         bound = tolerance.EXACT64
     else:
         t_err, _, _ = normalised_error(ref[dtype]["index_scores"], oracle, "row")
-        bound = tolerance.ALPHA["fwd"] * max(t_err, tolerance.floor(dtype, "index_scores", profile))
+        order = _order_error(ref, dtype, "index_scores")
+        if order is not None:
+            t_err = max(t_err, float(order))
+        floor = tolerance.floor(dtype, "index_scores", profile, platforms.current_backend(),
+                                _dims(case) if case else None)
+        bound = tolerance.ALPHA["fwd"] * max(t_err, floor)
     finite = np.where(np.isfinite(oracle), np.abs(oracle), 0.0)
     return bound * (finite.max(axis=-1) if oracle.shape[-1] else np.zeros(oracle.shape[:-1]))
 
@@ -60,7 +85,7 @@ def score_tolerance(ref, dtype: str, profile: str = "highest") -> np.ndarray:
 def _topk_results(entry: Entry, ref, profile) -> list[CheckResult]:
     p = entry.point
     oracle = ref["float64"]
-    tol = score_tolerance(ref, p.dtype, profile)
+    tol = score_tolerance(ref, p.dtype, profile, p.case)
     cand = runner.forward(p.impl, p.case, p.dtype, p.ichunk, p.qchunk)["topk_indices"]
     out = [topk_sets("topk_indices", cand, oracle["topk_indices"], oracle["index_scores"], tol)]
     if p.chunked:
@@ -75,7 +100,8 @@ def _forward_results(entry: Entry, ref, profile) -> list[CheckResult]:
     if q == "topk_indices":
         return _topk_results(entry, ref, profile)
     cand = runner.forward(p.impl, p.case, p.dtype, p.ichunk, p.qchunk)[q]
-    out = [_versus_oracle(q, cand, ref["float64"][q], ref[p.dtype][q], p.dtype, profile)]
+    out = [_versus_oracle(q, cand, ref["float64"][q], ref[p.dtype][q], p.dtype, profile,
+                          case=p.case, order_error=_order_error(ref, p.dtype, q))]
     if p.chunked:
         native = runner.forward(p.impl, p.case, p.dtype, 0)[q]
         out.append(compare_close("chunk", q, cand, native, tolerance.chunk_bound(p.dtype, q), _scale(q)))
@@ -95,7 +121,8 @@ def _loss_results(entry: Entry, ref, profile) -> list[CheckResult]:
     out = []
     golden = _golden_name(q, p.mode)
     if p.mode == "dense":
-        out.append(_versus_oracle(q, run[q], ref["float64"][golden], ref[p.dtype][golden], p.dtype, profile))
+        out.append(_versus_oracle(q, run[q], ref["float64"][golden], ref[p.dtype][golden], p.dtype, profile,
+                                  case=p.case, order_error=_order_error(ref, p.dtype, golden)))
         if p.chunked:
             native = runner.loss_and_grads(p.impl, p.case, p.dtype, 0, 0, "dense")[q]
             out.append(compare_close("chunk", q, run[q], native, tolerance.chunk_bound(p.dtype, q)))
@@ -106,7 +133,9 @@ def _loss_results(entry: Entry, ref, profile) -> list[CheckResult]:
     sel_golden = _golden_name(q, "sparse_at_oracle")
     oracle_value = ref["float64"][golden]
     baseline = ref[p.dtype][sel_golden]  # torch@t on the oracle's selection: precision noise only
-    out.append(_versus_oracle(q, at_sel[q], oracle_value, baseline, p.dtype, profile, check="oracle@sel"))
+    order = _order_error(ref, p.dtype, sel_golden)
+    out.append(_versus_oracle(q, at_sel[q], oracle_value, baseline, p.dtype, profile, check="oracle@sel",
+                              case=p.case, order_error=order))
     agreement = _selection_agreement(entry, ref, profile)
     if not agreement.passed:
         out.append(dataclasses.replace(agreement, check="oracle", quantity=q,
@@ -118,7 +147,8 @@ def _loss_results(entry: Entry, ref, profile) -> list[CheckResult]:
                                f"end-to-end not comparable: own selection differs from the oracle's by {n} "
                                "boundary ties (excused); judged by oracle@sel", stats={"excused": n}))
     else:
-        out.append(_versus_oracle(q, run[q], oracle_value, baseline, p.dtype, profile))
+        out.append(_versus_oracle(q, run[q], oracle_value, baseline, p.dtype, profile,
+                                  case=p.case, order_error=order))
     if p.chunked:
         native_sel = runner.loss_and_grads(p.impl, p.case, p.dtype, 0, 0, "sparse_at_oracle")[q]
         bound = tolerance.chunk_bound(p.dtype, q)
@@ -134,6 +164,13 @@ def _loss_results(entry: Entry, ref, profile) -> list[CheckResult]:
 def evaluate(entry: Entry, reference: str = "live", profile: str = "highest") -> list[CheckResult]:
     """Every check of one entry, each carrying the entry's context. `profile` picks the
     tolerance profile matching the matmul precision the candidate ran at (tolerance.PROFILES)."""
+    # issue 14 hook: a point this backend cannot compute is reported, never run nor passed.
+    backend = platforms.current_backend()
+    reason = platforms.not_applicable(entry.point.dtype, entry.kind, backend)
+    if reason is not None:
+        label = platforms.not_applicable_label(backend, reason)
+        return [CheckResult("not_applicable", entry.quantity, False, 0.0, 0.0, note=label,
+                            not_applicable=label, context=entry.point.label)]
     ref = runner.reference(entry.point.case, reference)
     if entry.point.mode == "forward":
         results = _forward_results(entry, ref, profile)

@@ -205,7 +205,15 @@ def run(args) -> int:
         f"in {meta['wall_s']:.1f} s; top-k ties excused: {summary['topk_excused_ties']}; "
         "worst ratio by dtype: " + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items())
     )
-    for r in [r for r in records if not r["passed"]][:20]:
+    # issue 14 hook: headroom and not-applicable points, on every run
+    from .report import HEADROOM_MARK, headroom_table
+
+    hr_header, hr_rows = headroom_table(summary)
+    print(f"headroom: {summary['headroom']['above_half']} checks above {HEADROOM_MARK}; worst ratio per kind and dtype:")
+    print(format_table(hr_header, hr_rows))
+    print(f"not applicable: {summary['not_applicable']} checks"
+          + "".join(f"; {n} {reason}" for reason, n in summary["not_applicable_reasons"].items()))
+    for r in [r for r in records if r["status"] == "failed"][:20]:
         print("FAIL", r["message"])
     print(f"reports: {paths['json']}, {paths['md']}, {paths['png']}")
     return 0 if summary["failed"] == 0 else 1

@@ -43,6 +43,7 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "mismatched": result.mismatched,
         "total": result.total,
         "excused_ties": int(result.stats.get("excused", 0)),
+        "status": result.status,  # issue 14 hook: passed | failed | not_applicable
         "note": result.note,
         "message": result.message,
     }
@@ -57,19 +58,72 @@ def _ratio(rec: dict) -> float:
     return float(r) if not isinstance(r, str) else math.inf
 
 
+def _failed(rec: dict) -> bool:
+    return not rec["passed"] and rec.get("status") != "not_applicable"
+
+
+def _applicable(rec: dict) -> bool:
+    return rec.get("status") != "not_applicable"
+
+
+# issue 14 hook: headroom. The kind of a check's quantity (harness.tolerance.kind_of, plus
+# topk and isolation); the worst ratio per (kind, dtype) and how many checks sit above 0.5.
+HEADROOM_MARK = 0.5
+
+
+def quantity_kind(quantity: str) -> str:
+    if quantity == "topk_indices":
+        return "topk"
+    if quantity == "input_grads":
+        return "isolation"
+    return {"fwd": "fwd", "loss": "loss", "grad": "grad"}[_tolerance_kind(quantity)]
+
+
+def _tolerance_kind(quantity: str) -> str:
+    from .tolerance import kind_of
+
+    return kind_of(quantity)
+
+
+def headroom(records: list[dict]) -> dict:
+    """{"worst_ratio": {kind: {dtype: ratio}}, "above_half": n, "above_half_checks": [ids]}
+    over the applicable checks with a bound (topk and isolation have bound 0: not ratios)."""
+    worst: dict[str, dict[str, float]] = {}
+    above = []
+    for rec in records:
+        if not _applicable(rec) or not rec["bound"]:
+            continue
+        kind, r = quantity_kind(rec["quantity"]), _ratio(rec)
+        row = worst.setdefault(kind, {})
+        row[rec["dtype"]] = max(row.get(rec["dtype"], 0.0), r)
+        if r > HEADROOM_MARK:
+            above.append(f"{rec['id']} ({rec['check']}) {r:.3g}")
+    return {"worst_ratio": {k: {d: _finite_or_str(v) for d, v in sorted(row.items())} for k, row in worst.items()},
+            "above_half": len(above), "above_half_checks": above}
+
+
 def summarise(records: list[dict]) -> dict:
     worst_by_dtype: dict[str, float] = {}
     for rec in records:
-        worst_by_dtype[rec["dtype"]] = max(worst_by_dtype.get(rec["dtype"], 0.0), _ratio(rec))
+        if _applicable(rec):
+            worst_by_dtype[rec["dtype"]] = max(worst_by_dtype.get(rec["dtype"], 0.0), _ratio(rec))
     topk = [r for r in records if r["check"] == "topk"]
+    na = [r for r in records if not _applicable(r)]
+    na_reasons: dict[str, int] = {}
+    for r in na:
+        na_reasons[r["note"]] = na_reasons.get(r["note"], 0) + 1
     return {
         "entries": len({r["id"] for r in records}),
         "checks": len(records),
-        "failed": sum(not r["passed"] for r in records),
-        "failed_entries": len({r["id"] for r in records if not r["passed"]}),
+        "failed": sum(_failed(r) for r in records),
+        "failed_entries": len({r["id"] for r in records if _failed(r)}),
+        # issue 14 hook: never dropped, never passed: counted, with every id in results
+        "not_applicable": len(na),
+        "not_applicable_reasons": na_reasons,
+        "headroom": headroom(records),
         "worst_ratio_by_dtype": {k: _finite_or_str(v) for k, v in worst_by_dtype.items()},
         "topk_excused_ties": sum(r["excused_ties"] for r in topk),
-        "topk_unexcused": sum(r["mismatched"] for r in topk if not r["passed"]),
+        "topk_unexcused": sum(r["mismatched"] for r in topk if _failed(r)),
         "sparse_end_to_end_excused": sum(1 for r in records if r["check"] == "oracle" and r["excused_ties"]),
     }
 
@@ -88,11 +142,23 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
             if not recs:
                 row.append("-")
                 continue
-            worst = max(_ratio(r) for r in recs)
-            ok = all(r["passed"] for r in recs)
+            live = [r for r in recs if _applicable(r)]
+            if not live:  # issue 14 hook
+                row.append("n/a")
+                continue
+            worst = max(_ratio(r) for r in live)
+            ok = not any(_failed(r) for r in live)
             row.append(f"{'ok' if ok else 'FAIL'} {worst:.2g}")
         rows.append(row)
     return header, rows
+
+
+def headroom_table(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Rows: quantity kind; columns: dtype; cells: the worst error/bound ratio."""
+    worst = summary["headroom"]["worst_ratio"]
+    dtypes = [d for d in ("float32", "bfloat16", "float16", "float64") if any(d in row for row in worst.values())]
+    rows = [[kind] + [f"{float(row[d]):.3g}" if d in row else "-" for d in dtypes] for kind, row in worst.items()]
+    return ["kind", *dtypes], rows
 
 
 def format_table(header: list[str], rows: list[list[str]], markdown: bool = False) -> str:
@@ -118,13 +184,16 @@ def write_reports(records: list[dict], meta: dict, out_dir: str) -> dict[str, st
         json.dump({"schema_version": JSON_SCHEMA_VERSION, **meta, "summary": summary, "results": records}, f, indent=1)
     with open(paths["md"], "w") as f:
         f.write(markdown(records, meta, summary))
-    heatmap(records, paths["png"])
+    heatmap(records, paths["png"], summary)
     return paths
 
 
 def markdown(records: list[dict], meta: dict, summary: dict) -> str:
     header, rows = table(records)
     status = "PASS" if summary["failed"] == 0 else f"FAIL ({summary['failed_entries']} entries)"
+    hr_header, hr_rows = headroom_table(summary)
+    hr = summary["headroom"]
+    na_lines = [f"- {n} checks {reason}" for reason, n in summary["not_applicable_reasons"].items()]
     lines = [
         f"# csa-parity report: {status}",
         "",
@@ -138,6 +207,16 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         f"{summary['sparse_end_to_end_excused']}",
         "- worst error/bound ratio per dtype: "
         + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items()),
+        f"- not applicable on this backend: {summary['not_applicable']} checks (counted apart from "
+        "passed and failed; listed in parity.json with their reason)",
+        *na_lines,
+        "",
+        f"## Headroom: worst error/bound per quantity kind and dtype; {hr['above_half']} checks above "
+        f"{HEADROOM_MARK}",
+        "",
+        format_table(hr_header, hr_rows, markdown=True),
+        "",
+        *[f"- above {HEADROOM_MARK}: `{c}`" for c in hr["above_half_checks"][:50]],
         "",
         "Cells: `ok`/`FAIL` and the worst ratio error/bound over every check of that column "
         "(all chunk sizes and modes). A ratio <= 1 passes; `grad` is the worst of the six parameters.",
@@ -145,7 +224,7 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         format_table(header, rows, markdown=True),
         "",
     ]
-    failures = [r for r in records if not r["passed"]]
+    failures = [r for r in records if _failed(r)]
     if failures:
         lines += ["## Failures", ""] + [f"- `{r['id']}`: {r['message']}" for r in failures[:200]]
         if len(failures) > 200:
@@ -154,7 +233,7 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
     return "\n".join(lines)
 
 
-def heatmap(records: list[dict], path: str) -> None:
+def heatmap(records: list[dict], path: str, summary: dict | None = None) -> None:
     """Worst error/bound ratio per (chunk sizes x dtype), one panel per quantity column."""
     import matplotlib
 
@@ -176,7 +255,7 @@ def heatmap(records: list[dict], path: str) -> None:
     for ax, col in zip(axes[0], cols):
         grid = np.full((len(chunks), len(dtypes)), np.nan)
         for r in records:
-            if column_of(r["quantity"]) != col:
+            if column_of(r["quantity"]) != col or not _applicable(r):
                 continue
             i, j = chunks.index((r["ichunk"], r["tchunk"], r.get("qchunk", 0))), dtypes.index(r["dtype"])
             v = min(_ratio(r), 1e300)
@@ -191,6 +270,13 @@ def heatmap(records: list[dict], path: str) -> None:
                 ax.text(j, i, text, ha="center", va="center", fontsize=6)
     axes[0][0].set_ylabel("indexer chunk / teacher chunk", fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, ticks=edges[1:-1], label="error / bound")
-    fig.suptitle("csa-parity: worst error/bound per chunk size and dtype (<= 1 passes; white: not applicable)", fontsize=10)
+    title = "csa-parity: worst error/bound per chunk size and dtype (<= 1 passes; white: not applicable)"
+    if summary is not None:  # issue 14 hook: the headroom in the title
+        worst = summary["headroom"]["worst_ratio"]
+        per_kind = "; ".join(f"{k} " + " ".join(f"{d.replace('float', 'f')} {float(v):.2g}" for d, v in row.items())
+                             for k, row in worst.items())
+        title += (f"\nheadroom: {summary['headroom']['above_half']} checks > {HEADROOM_MARK}; worst {per_kind}; "
+                  f"{summary['not_applicable']} not applicable")
+    fig.suptitle(title, fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)

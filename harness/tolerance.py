@@ -47,27 +47,71 @@ FLOOR = {
 }
 
 
-# --- Precision profiles (issue 7). Parity runs at `highest` matmul precision by
-# default: float32 matmuls are then true float32 on every platform, and the
-# table above applies unchanged. `default` is what a TPU (or a GPU with TF32)
-# does out of the box: XLA:TPU's DEFAULT precision rounds float32 matmul
-# operands to bfloat16 (one pass) and accumulates in float32. Under it a float32
-# run is as accurate as the projections and score products of a bfloat16 run,
-# so the float32 floors rise to the bfloat16 ones; the torch reference (CPU)
-# keeps true float32, so without the raised floor every float32 matmul result
-# would fail. Derived from the bfloat16 rows of the matrix (same operand
-# rounding), to be re-measured on the first TPU run; XLA:CPU ignores the
-# precision setting, so on CPU both profiles compute identical numbers.
+# --- Floors that scale with the reduction (issue 14). A float32 result that is a sum of n
+# rounded terms carries a random-walk error of about sqrt(n) unit roundoffs, whichever
+# implementation sums it, so an equally good JAX error can sit sqrt(n) u above a lucky torch
+# draw. The reductions are carried in float32 (the wide dtype) for every dtype but float64,
+# so the unit roundoff is float32's, u = 2^-24, for float32, bfloat16 and float16 alike
+# (for bfloat16/float16 the per-dtype floors above stay larger: 2^-9, 2^-12 > 100 u).
+# Independent roundings of the sums on one result's path add in quadrature, so n counts the
+# terms of every sum that reaches the result:
+#   index_scores: n = HI * DI + R + E: the HI*DI products summed into one score (DI per
+#     head, HI heads), each fed by a query projected over R = q_lora_rank terms and a key
+#     projected over E = emb_dim terms: tiny 48 (floor 6.9 u = 4.1e-7), small 352 (18.8 u),
+#     flash_dims 8272 (91 u = 5.4e-6).
+#   compressed_keys: n = E + 2 * m + DI: the key projection (E terms), the softmax pool over
+#     2 * compress_ratio slots and the RMS norm's mean over DI: tiny 32 (5.7 u), small and
+#     all_invalid 104 (10.2 u).
+#   grad.*: n = B * S * W, the (query, block) terms of the loss that every parameter
+#     gradient sums (each reaches a parameter through its score), as for the loss floor:
+#     tiny 64 (8 u = 4.8e-7), small/packed 2048 (45 u = 2.7e-6), flash_dims 1024 (32 u).
+# At most sqrt(n) u: never more. The loss keeps its floor above (same random walk, n = 2048).
+WIDE_U = 2.0**-24
+
+
+def reduction_length(quantity: str, dims: dict) -> int | None:
+    """n of the floor above for `quantity` of a problem with dims {B, S, W, HI, DI, R, E, m},
+    or None when the quantity's floor does not scale."""
+    if quantity == "index_scores":
+        return dims["HI"] * dims["DI"] + dims["R"] + dims["E"]
+    if quantity == "compressed_keys":
+        return dims["E"] + 2 * dims["m"] + dims["DI"]
+    if quantity.startswith("grad"):
+        return dims["B"] * dims["S"] * dims["W"]
+    return None
+
+
+# --- Precision profiles (issues 7, 14). Parity runs at `highest` matmul precision by default:
+# float32 matmuls are then true float32 on every platform, and the table above applies
+# unchanged. `default` is each backend's out-of-the-box float32 matmul: its operands keep
+# fewer mantissa bits (harness.platforms: TPU one bfloat16 pass, 7 stored bits; GPU TF32,
+# 10 bits; CPU ignores the setting, 23 bits). Under it a float32 run is as accurate as a
+# run whose matmul operands are rounded to that mantissa, so the float32 fwd/grad floors rise
+# to half its unit roundoff, 2^-(bits + 2), the convention of the bfloat16 (2^-9, 7 bits)
+# and float16 (2^-12, 10 bits) rows above; the torch reference (CPU) keeps true float32, so
+# without the raised floor every float32 matmul result would fail. On CPU `default` equals
+# `highest` (same numbers, same table). To be re-measured on the first TPU/GPU run.
 # The `highest` table is never loosened to absorb `default`.
 PROFILES = ("highest", "default")
-_DEFAULT_PROFILE_FLOOR = {**FLOOR, "float32": dict(FLOOR["bfloat16"])}
 
 
-def floor(dtype: str, quantity: str, profile: str = "highest") -> float:
+def floor(dtype: str, quantity: str, profile: str = "highest", backend: str = "cpu",
+          dims: dict | None = None) -> float:
+    """The floor of SPEC section 10 for `quantity` at `dtype`, under the matmul precision
+    `profile` on `backend`, for a problem of `dims` (None: no reduction-length floor)."""
+    from .platforms import float32_operand_bits
+
     if profile not in PROFILES:
         raise ValueError(f"profile={profile!r} is not supported (valid: {', '.join(PROFILES)})")
-    table = FLOOR if profile == "highest" else _DEFAULT_PROFILE_FLOOR
-    return table[dtype][kind_of(quantity)]
+    kind = kind_of(quantity)
+    value = FLOOR[dtype][kind]
+    bits = float32_operand_bits(backend, profile)
+    if dtype == "float32" and kind != "loss" and bits < 23:
+        value = max(value, 2.0 ** -(bits + 2))
+    n = reduction_length(quantity, dims) if dims is not None else None
+    if n:
+        value = max(value, n ** 0.5 * WIDE_U)
+    return value
 
 
 # --- float64 JAX vs float64 torch: two implementations of the same formulas in

@@ -19,6 +19,7 @@ def test_required_cases_present():
         assert case.exercises.strip(), case.name
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("name", list(CASES))
 def test_config_is_complete_and_validates_on_both_sides(name):
     import torch_ref

@@ -28,6 +28,7 @@ def _run(args, tmp_path, env_extra=None, block_torch=False):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
 
 
+@pytest.mark.torch  # the live reference
 def test_run_writes_reports_and_passes(tmp_path):
     out = tmp_path / "rep"
     proc = _run(["run", "--cases", "tiny", "--dtypes", "float64,bfloat16", "--out", str(out),
@@ -55,6 +56,7 @@ def test_jax_only_mode_needs_no_torch(tmp_path):
     assert data["summary"]["failed"] == 0
 
 
+@pytest.mark.torch  # the live reference
 def test_a_wrong_plugin_fails_with_exit_1_and_says_where(tmp_path):
     proc = _run(["run", "--cases", "tiny", "--dtypes", "float64", "--ichunks", "0", "--modes", "dense",
                  "--impl", "plugins.scaled_loss:make_impl", "--out", str(tmp_path / "rep"), "--no-progress",

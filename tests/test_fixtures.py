@@ -488,3 +488,48 @@ def test_float64_reference_is_invariant_under_head_permutations(fixtures, name):
         for cfg, key in ((dense, "loss.dense"), (sparse, "loss.sparse")):
             loss = torch_ref.indexer_loss(params, inputs, cfg, "float64")
             assert abs(float(loss) - float(g[key])) <= 1e-12 * abs(float(g[key])), key
+
+
+# --------------------------------------------------------------------------- order errors (issue 14)
+
+
+def test_order_errors_bound_the_stored_goldens_own_error(fixtures):
+    """Order 0 of `order_errors` is the stored evaluation order, so every stored order error
+    is at least the stored golden's own error against the oracle (and finite, >= 0)."""
+    from harness.compare import normalised_error
+    from harness.fixtures import ORDERR_QUANTITIES
+
+    above = 0
+    for fx in fixtures.values():
+        for dt in LOW_DTYPES:
+            for q in ORDERR_QUANTITIES:
+                orderr = float(fx.goldens[dt][f"orderr.{q}"])
+                oracle = fx.goldens["float64"][q.replace("sparse_at_oracle", "sparse", 1)]
+                own, _, _ = normalised_error(fx.goldens[dt][q], oracle, "row" if q == "index_scores" else "tensor")
+                assert own <= orderr * (1 + 1e-12) and np.isfinite(orderr), (fx.name, dt, q, own, orderr)
+                above += orderr > own * 1.01
+    assert above > 0  # some permuted order rounds worse than the stored one: the point of K > 1
+
+
+def test_evaluation_orders_start_with_the_stored_order_and_are_distinct():
+    from harness.fixtures import ORDER_COUNT, evaluation_orders
+
+    orders = evaluation_orders(2, 8, 8)
+    assert len(orders) == ORDER_COUNT
+    assert all(np.array_equal(p, np.arange(len(p))) for p in orders[0])
+    assert len({tuple(tuple(p) for p in o) for o in orders}) == ORDER_COUNT
+    for o in orders:  # permutations, never anything else
+        assert all(sorted(p.tolist()) == list(range(len(p))) for p in o)
+    assert len(evaluation_orders(1, 2, 2)) == 4  # tiny: exactly the 4 distinct orders exist
+
+
+def test_check_flags_an_order_error_that_moved_more_than_the_factor():
+    from harness.fixtures import ORDERR_CHECK_FACTOR, RawTensor, _compare_tensor
+
+    def t(x):
+        return RawTensor("F64", (), np.float64(x).tobytes())
+
+    name = "golden.float32.orderr.grad.dense.indexer.wq_b"
+    assert _compare_tensor(name, t(1e-7), t(1e-7 * ORDERR_CHECK_FACTOR), {}, {}) is None
+    msg = _compare_tensor(name, t(1e-7), t(1e-7 * ORDERR_CHECK_FACTOR * 1.5), {}, {})
+    assert msg and "more than 2x apart" in msg

@@ -13,8 +13,12 @@ import functools
 import numpy as np
 import pytest
 
-import jax_impl
-import torch_ref
+from needs import skip_module_without_torch
+
+skip_module_without_torch()
+
+import jax_impl  # noqa: E402
+import torch_ref  # noqa: E402
 from harness.compare import compare_close, exactly_zero, to_numpy, topk_sets
 from harness.tolerance import EXACT64, chunk_bound
 

@@ -33,5 +33,9 @@ def _param(entry):
 @pytest.mark.parametrize("entry", [_param(e) for e in build_matrix()])
 def test_parity(entry):
     results = evaluate(entry, REFERENCE, PROFILE)
-    failures = [r.message for r in results if not r.passed]
+    # A point this backend cannot compute (harness.platforms) is skipped WITH its reason, so
+    # pytest counts and lists it: never passed, never silently dropped.
+    if results and all(r.status == "not_applicable" for r in results):
+        pytest.skip(results[0].message)
+    failures = [r.message for r in results if r.status == "failed"]
     assert not failures, "\n".join(failures)

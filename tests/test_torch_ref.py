@@ -9,9 +9,14 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
-from torch_ref import (
+from needs import skip_module_without_torch
+
+skip_module_without_torch()
+
+import torch  # noqa: E402
+
+from torch_ref import (  # noqa: E402
     DTYPES,
     CSAConfig,
     indexer_forward,
@@ -21,13 +26,15 @@ from torch_ref import (
     validate_inputs,
 )
 
-PARAMS = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm",
-          "indexer.wq_b", "indexer.weights_proj")
-
-SMALL = dict(emb_dim=64, q_lora_rank=32, index_n_heads=8, index_head_dim=32, rope_head_dim=16,
-             compress_ratio=4, index_topk=4, num_query_heads=8, head_dim=32)
-TINY = dict(emb_dim=8, q_lora_rank=8, index_n_heads=2, index_head_dim=8, rope_head_dim=4,
-            compress_ratio=4, index_topk=2, num_query_heads=2, head_dim=8)
+from error_catalogue import (  # noqa: E402
+    CONFIG_ERRORS,
+    INPUT_ERRORS,
+    PARAMS,
+    SMALL,
+    TINY,
+    make_inputs,
+    make_params,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,93 +47,8 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def make_params(cfg: CSAConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    E, R, HI, DI, m = (cfg.emb_dim, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
-                       cfg.compress_ratio)
-
-    def f(*shape, scale=1.0):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    return {
-        "indexer.wkv": f(E, 2 * DI, scale=E ** -0.5),
-        "indexer.wgate": f(E, 2 * DI, scale=E ** -0.5),
-        "indexer.ape": f(m, 2 * DI, scale=0.5),
-        "indexer.kv_norm": 1.0 + f(DI, scale=0.2),
-        "indexer.wq_b": f(R, HI * DI, scale=R ** -0.5),
-        "indexer.weights_proj": f(E, HI, scale=E ** -0.5),
-    }
-
-
-def make_inputs(cfg: CSAConfig, B: int, S: int, seed: int = 1, docs=None) -> dict[str, np.ndarray]:
-    """docs: list of document lengths for every row (packed), default one document."""
-    rng = np.random.default_rng(seed)
-    W = S // cfg.compress_ratio
-    H, D = cfg.num_query_heads, cfg.head_dim
-    docs = docs or [S]
-    assert sum(docs) == S
-    pos = np.concatenate([np.arange(n) for n in docs])
-    seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(docs)])
-
-    def f(*shape, scale=1.0):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    return {
-        "hidden_states": f(B, S, cfg.emb_dim),
-        "q_latent": f(B, S, cfg.q_lora_rank),
-        "position_ids": np.tile(pos, (B, 1)).astype(np.int64),
-        "segment_ids": np.tile(seg, (B, 1)).astype(np.int32),
-        "teacher_query": f(B, S, H, D, scale=2.0 * D ** -0.5),
-        "teacher_kv": f(B, W, D, scale=2.0),
-    }
-
-
 def cfg_of(base=SMALL, **over) -> CSAConfig:
     return CSAConfig(**{**base, **over})
-
-
-# --------------------------------------------------------------------------- config
-
-CONFIG_ERRORS = [
-    (dict(emb_dim=2.0), "emb_dim=2.0 must be an int"),
-    (dict(emb_dim=0), "emb_dim=0 must be >= 1"),
-    (dict(emb_dim=0, q_lora_rank=2.0), "emb_dim=0 must be >= 1"),  # field order
-    (dict(q_lora_rank=True), "q_lora_rank=True must be an int"),
-    (dict(index_n_heads=-1), "index_n_heads=-1 must be >= 1"),
-    (dict(index_head_dim="8"), "index_head_dim='8' must be an int"),
-    (dict(compress_ratio=0), "compress_ratio=0 must be >= 1"),
-    (dict(index_topk=0), "index_topk=0 must be >= 1"),
-    (dict(num_query_heads=0), "num_query_heads=0 must be >= 1"),
-    (dict(head_dim=1.5), "head_dim=1.5 must be an int"),
-    (dict(rope_head_dim=2.0), "rope_head_dim=2.0 must be an int"),
-    (dict(rope_head_dim=3), "rope_head_dim=3 must be even"),
-    (dict(rope_head_dim=40),
-     "rope_head_dim=40 must satisfy 0 <= rope_head_dim <= index_head_dim=32"),
-    (dict(rope_head_dim=-2),
-     "rope_head_dim=-2 must satisfy 0 <= rope_head_dim <= index_head_dim=32"),
-    (dict(rope_theta="x"), "rope_theta='x' must be a number"),
-    (dict(rope_theta=True), "rope_theta=True must be a number"),
-    (dict(rope_theta=0.0), "rope_theta=0.0 must be finite and > 0"),
-    (dict(rope_theta=math.inf), "rope_theta=inf must be finite and > 0"),
-    (dict(norm_eps=-1e-6), "norm_eps=-1e-06 must be finite and > 0"),
-    (dict(norm_eps=math.nan), "norm_eps=nan must be finite and > 0"),
-    (dict(indexer_head_chunk=3),
-     "indexer_head_chunk=3 must divide index_n_heads=8 (valid: 0, 1, 2, 4, 8)"),
-    (dict(indexer_head_chunk=-2),
-     "indexer_head_chunk=-2 must divide index_n_heads=8 (valid: 0, 1, 2, 4, 8)"),
-    (dict(indexer_head_chunk=16),
-     "indexer_head_chunk=16 must divide index_n_heads=8 (valid: 0, 1, 2, 4, 8)"),
-    (dict(indexer_head_chunk=2.0),
-     "indexer_head_chunk=2.0 must divide index_n_heads=8 (valid: 0, 1, 2, 4, 8)"),
-    (dict(num_query_heads=6, loss_head_chunk=4),
-     "loss_head_chunk=4 must divide num_query_heads=6 (valid: 0, 1, 2, 3, 6)"),
-    (dict(loss_head_chunk=3),
-     "loss_head_chunk=3 must divide num_query_heads=8 (valid: 0, 1, 2, 4, 8)"),
-    (dict(sparse_loss=1), "sparse_loss=1 must be a bool"),
-    (dict(loss_scale="x"), "loss_scale='x' must be a number"),
-    (dict(loss_scale=math.inf), "loss_scale=inf must be finite"),
-    (dict(loss_scale=math.nan), "loss_scale=nan must be finite"),
-]
 
 
 @pytest.mark.parametrize("over,message", CONFIG_ERRORS, ids=[m for _, m in CONFIG_ERRORS])
@@ -169,89 +91,6 @@ def test_dtype_names():
     cfg = cfg_of()
     with pytest.raises(ValueError, match=r"^dtype='float8' is not supported"):
         indexer_forward(make_params(cfg), make_inputs(cfg, 1, 8), cfg, "float8")
-
-
-# --------------------------------------------------------------------------- input checks
-
-
-def _set(name, value):
-    def mutate(inputs, params):
-        inputs[name] = value(inputs[name]) if callable(value) else value
-    return mutate
-
-
-def _del(name):
-    def mutate(inputs, params):
-        (params if name.startswith("indexer.") else inputs).pop(name)
-    return mutate
-
-
-def _at(name, index, value):
-    def mutate(inputs, params):
-        d = params if name.startswith("indexer.") else inputs
-        d[name] = d[name].copy()
-        d[name][index] = value
-    return mutate
-
-
-def _decrease(inputs, params):
-    pos = inputs["position_ids"].copy()
-    pos[0, 4], pos[0, 5] = 7, 3
-    inputs["position_ids"] = pos
-
-
-def _param(name, value):
-    def mutate(inputs, params):
-        params[name] = value(params[name])
-    return mutate
-
-
-INPUT_ERRORS = [
-    (_del("q_latent"), "missing input 'q_latent'"),
-    (_del("teacher_kv"), "missing input 'teacher_kv'"),
-    (_set("hidden_states", lambda a: a[..., :32]),
-     "inputs['hidden_states'] has shape (2, 64, 32); expected [B, S, emb_dim] = [2, 64, 64]"),
-    (_set("hidden_states", lambda a: a[0, 0]),
-     "inputs['hidden_states'] has shape (64,); expected [B, S, emb_dim] (rank 3)"),
-    (_set("hidden_states", lambda a: a.astype(np.int32)),
-     "inputs['hidden_states'] has dtype int32; expected a floating dtype"),
-    (_set("q_latent", lambda a: a[:, :63]),
-     "inputs['q_latent'] has shape (2, 63, 32); expected [B, S, q_lora_rank] = [2, 64, 32]"),
-    (_at("q_latent", (0, 3, 1), np.nan), "inputs['q_latent'] contains NaN/Inf at index (0, 3, 1)"),
-    (_at("hidden_states", (1, 0, 2), -np.inf),
-     "inputs['hidden_states'] contains NaN/Inf at index (1, 0, 2)"),
-    (_set("position_ids", lambda a: a.astype(np.float32)),
-     "inputs['position_ids'] has dtype float32; expected an integer dtype"),
-    (_set("segment_ids", lambda a: a > 0),
-     "inputs['segment_ids'] has dtype bool; expected an integer dtype"),
-    (_set("segment_ids", lambda a: a[:1]),
-     "inputs['segment_ids'] has shape (1, 64); expected [B, S] = [2, 64]"),
-    (_decrease, "inputs['position_ids'] decreases inside a document at (b, s)=(0, 5): 7 -> 3"),
-    (_at("position_ids", (1, 0), -1),
-     "inputs['position_ids'] has a negative position -1 at (b, s)=(1, 0)"),
-    (_set("teacher_query", lambda a: a[:, :, :4]),
-     "inputs['teacher_query'] has shape (2, 64, 4, 32); "
-     "expected [B, S, num_query_heads, head_dim] = [2, 64, 8, 32]"),
-    (_set("teacher_kv", lambda a: a[:, :15]),
-     "inputs['teacher_kv'] has shape (2, 15, 32); expected [B, W, head_dim] = [2, 16, 32]"),
-    (_at("teacher_kv", (1, 2, 3), np.inf),
-     "inputs['teacher_kv'] contains NaN/Inf at index (1, 2, 3)"),
-    (_del("indexer.wq_b"), "missing param 'indexer.wq_b'"),
-    (_param("indexer.wkv", lambda a: a[:, :32]),
-     "params['indexer.wkv'] has shape (64, 32); expected [emb_dim, 2*index_head_dim] = [64, 64]"),
-    (_param("indexer.ape", lambda a: a.T),
-     "params['indexer.ape'] has shape (64, 4); "
-     "expected [compress_ratio, 2*index_head_dim] = [4, 64]"),
-    (_param("indexer.kv_norm", lambda a: a[None]),
-     "params['indexer.kv_norm'] has shape (1, 32); expected [index_head_dim] = [32]"),
-    (_param("indexer.wq_b", lambda a: a[:, :-1]),
-     "params['indexer.wq_b'] has shape (32, 255); "
-     "expected [q_lora_rank, index_n_heads*index_head_dim] = [32, 256]"),
-    (_param("indexer.weights_proj", lambda a: a.astype(np.int64)),
-     "params['indexer.weights_proj'] has dtype int64; expected a floating dtype"),
-    (_at("indexer.wgate", (5, 7), np.nan),
-     "params['indexer.wgate'] contains NaN/Inf at index (5, 7)"),
-]
 
 
 @pytest.mark.parametrize("mutate,message", INPUT_ERRORS, ids=[m for _, m in INPUT_ERRORS])

@@ -90,7 +90,8 @@ def test_tpu_commands(tpu):
     job = _job(tpu)
     assert job["env"]["JAX_PLATFORMS"] == "tpu"
     runs = {s["id"]: s["run"] for s in _run_steps(job)}
-    assert "-c constraints.txt -e '.[tpu]'" in runs["install"]
+    assert "-c constraints.txt -e '.[tpu,reference]'" in runs["install"]
+    assert "python -m harness.platforms" in runs["platform"]
     assert 'torch==2.13.0+cpu' in runs["install"]
     assert "scripts/regenerate_fixtures.py --check" in runs["check"]
     assert re.search(r'python -m pytest -n "\$PYTEST_WORKERS" --junitxml=', runs["matrix"])
@@ -140,7 +141,9 @@ def test_ci_mirrors_ci_run(ci):
     assert ".ci/run" in runs["suite"]
     assert "scripts/regenerate_fixtures.py --check" in runs["check"]
     assert "csa-parity run" in runs["report"]
-    assert "-c constraints.txt -e ." in runs["install"]
+    assert "-c constraints.txt -e '.[dev,reference]'" in runs["install"]
+    # both legs of .ci/run: Python 3.11 (default) and 3.12 on PATH
+    assert job["steps"][1]["with"]["python-version"].split() == ["3.12", "3.11"]
 
 
 # --------------------------------------------------------------------------- linters
@@ -237,3 +240,26 @@ def test_tpu_step_runs_on_cpu(step, tmp_path):
         assert (tmp_path / "reports" / "parity.json").is_file()
     if step["id"] == "random":
         assert (tmp_path / "junit" / "random-configs-tpu.xml").is_file()
+
+
+# --------------------------------------------------------------------------- .ci/run's 3.12 leg
+
+
+def test_python312_leg_fails_with_one_line_when_no_python312_is_found(tmp_path):
+    """Issue 14: the jax 0.12 leg must never pass silently for want of a Python 3.12."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    out = subprocess.run([make, "-s", "venv312", "PYTHON312=", f"VENV312={tmp_path / 'v'}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if not ln.startswith("make: ***")]
+    assert lines == ["make: no Python 3.12 found (PATH or pyenv): the jax 0.12 leg cannot run; install one "
+                     "or set PYTHON312=/path/to/python3.12"], out.stderr
+    assert not (tmp_path / "v").exists()
+
+
+def test_ci_run_runs_both_legs():
+    text = (ROOT / ".ci" / "run").read_text()
+    assert "make test " in text + " " and "make test312" in text
+    assert 'exit "$status"' in text  # a failed first leg still fails the run after the second
