@@ -49,7 +49,8 @@ test: $(STAMP)
 # goldens, then the layer and API tests; tests that need torch skip (CSA_PARITY_NO_TORCH=1
 # says this leg has none on purpose; anywhere else a missing torch fails them).
 TEST312_FILES := tests/test_bad_inputs.py tests/test_cases.py tests/test_cli.py tests/test_compare.py \
-	tests/test_layering.py tests/test_memory.py tests/test_platforms.py
+	tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
+	tests/test_traceable.py tests/test_grad_checks.py tests/test_training.py
 test312: $(STAMP312)
 	$(BIN312)/csa-parity run --reference goldens --out reports-py312 --no-progress
 	CSA_PARITY_NO_TORCH=1 $(BIN312)/python -m pytest -n auto $(TEST312_FILES)
