@@ -248,16 +248,15 @@ def _pcfg(**fields) -> dict:
     base = dict(emb_dim=6, q_lora_rank=5, index_n_heads=3, index_head_dim=6, rope_head_dim=2,
                 compress_ratio=2, index_topk=2, num_query_heads=2, head_dim=4)
     base.update(fields)
-    # Every field the catalogue knows (harness.cases.CONFIG_FIELDS), defaults filled in. A
-    # knob given here that the catalogue does not know yet (query_chunk until issue 13 lands)
-    # is left out, so the problems stay valid on both sides before and after it exists.
-    return {name: base.get(name, default) for name, default in CONFIG_FIELDS}
+    # Every field the catalogue knows (harness.cases.CONFIG_FIELDS), defaults filled in, and the
+    # run-time knob query_chunk, which the catalogue leaves out of a fixture's identity.
+    return {**{name: base.get(name, default) for name, default in CONFIG_FIELDS},
+            "query_chunk": base.get("query_chunk", 0)}
 
 
 # Every pinned problem runs as a test of its own (tests/test_random_configs.py::
 # test_pinned_problem) and is counted by the config-field audit (tests/test_config_audit.py).
-# query_chunk (issue 13): 2 (does not divide S=5), 5 (divides S=10), 1, 16 (>= S), 0; it
-# takes effect once the catalogue's CONFIG_FIELDS has the field.
+# query_chunk: 2 (does not divide S=5), 5 (divides S=10), 1, 16 (>= S), 0.
 PINNED: dict[str, Problem] = {
     # m=1 (every token a block), E=R=1, HI=1 with its only chunk 1, DR == DI, k=1, theta not a
     # float32 number, large eps, negative loss scale, sparse.

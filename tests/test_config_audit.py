@@ -4,7 +4,7 @@ through green (the mutants of harness/mutations.py marked `problems=` are such m
 
 Where the values come from:
 - the committed cases (harness/cases.py): their configs, with the chunk knobs of every point
-  of the parity matrix (harness.matrix.chunk_pairs, every dtype: not the fixture files) and
+  of the parity matrix (harness.matrix.chunk_points, every dtype: not the fixture files) and
   both loss modes (the matrix runs dense and sparse at every point);
 - the pinned random problems (harness.random_configs.PINNED), which run in every profile of
   tests/test_random_configs.py, each at its own knobs and natively (chunk knobs 0).
@@ -24,7 +24,7 @@ import pytest
 
 import jax_impl
 from harness.cases import CASES
-from harness.matrix import DTYPES, MODES, chunk_pairs
+from harness.matrix import DTYPES, MODES, chunk_points
 from harness.random_configs import CHUNK_KNOBS, PINNED, config_fields
 
 import numpy as np
@@ -110,10 +110,11 @@ AUDIT = {
 def committed_instances():
     """(source, cfg, S, W) of every matrix point of every committed case (both loss modes)."""
     for case in CASES.values():
-        pairs = sorted({p for dt in DTYPES for p in chunk_pairs(case.name, dt)})
-        for ichunk, tchunk in pairs:
+        points = sorted({p for dt in DTYPES for p in chunk_points(case.name, dt)})
+        for ichunk, tchunk, qchunk in points:
             for sparse in (False, True):
-                cfg = dict(case.config, indexer_head_chunk=ichunk, loss_head_chunk=tchunk, sparse_loss=sparse)
+                cfg = dict(case.config, indexer_head_chunk=ichunk, loss_head_chunk=tchunk, query_chunk=qchunk,
+                           sparse_loss=sparse)
                 yield f"case {case.name}", cfg, case.seq_len, case.num_blocks
 
 
