@@ -876,13 +876,13 @@ def check_case(case: Case, fixtures_dir: Path, manifest: Mapping[str, Any] | Non
             diffs.append(f"{shown}: tensor {tname!r}: committed {list(a.shape)} {a.tag}, "
                          f"regenerated {list(b.shape)} {b.tag}")
             continue
-        msg = _compare_tensor(tname, a, b, old_t, new_t)
+        msg = compare_tensor(tname, a, b, old_t, new_t)
         if msg:
             diffs.append(f"{shown}: tensor {tname!r}: {msg}")
     return diffs, notes
 
 
-def _compare_tensor(tname: str, a: RawTensor, b: RawTensor, old_t, new_t) -> str | None:
+def compare_tensor(tname: str, a: RawTensor, b: RawTensor, old_t, new_t) -> str | None:
     """A difference message, or None when the regenerated tensor is within its bound."""
     old, new = a.array(), b.array()
     if not tname.startswith("golden."):

@@ -524,12 +524,12 @@ def test_evaluation_orders_start_with_the_stored_order_and_are_distinct():
 
 
 def test_check_flags_an_order_error_that_moved_more_than_the_factor():
-    from harness.fixtures import ORDERR_CHECK_FACTOR, RawTensor, _compare_tensor
+    from harness.fixtures import ORDERR_CHECK_FACTOR, RawTensor, compare_tensor
 
     def t(x):
         return RawTensor("F64", (), np.float64(x).tobytes())
 
     name = "golden.float32.orderr.grad.dense.indexer.wq_b"
-    assert _compare_tensor(name, t(1e-7), t(1e-7 * ORDERR_CHECK_FACTOR), {}, {}) is None
-    msg = _compare_tensor(name, t(1e-7), t(1e-7 * ORDERR_CHECK_FACTOR * 1.5), {}, {})
+    assert compare_tensor(name, t(1e-7), t(1e-7 * ORDERR_CHECK_FACTOR), {}, {}) is None
+    msg = compare_tensor(name, t(1e-7), t(1e-7 * ORDERR_CHECK_FACTOR * 1.5), {}, {})
     assert msg and "more than 2x apart" in msg
