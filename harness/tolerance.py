@@ -5,8 +5,8 @@ per query row for scores, relative for scalars. "ulp(t)" below is the spacing
 of dtype t at 1.0: float32 2^-23, bfloat16 2^-7, float16 2^-10.
 
 The figures quoted as "measured" come from `python scripts/measure_tolerances.py`,
-which reruns the measurement on the committed fixtures and prints the worst
-value per entry next to its bound.
+which reruns each measurement (random problems for CHUNK, the committed fixtures
+for the rest) and prints the worst value per entry next to its bound.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ ALPHA = {"fwd": 2.0, "loss": 2.0, "grad": 3.0}
 # - loss: a scalar reduced in the wide dtype (float32 for every dtype but
 #   float64) over up to B*S*W = 2048 terms in the committed fixtures. Its error
 #   is a single draw of a random walk of size ~sqrt(2048) * 2^-24 = 2.7e-6, so a
-#   lucky torch draw can be 10x below an equally good JAX one (measured: torch
-#   3.2e-8 vs JAX 3.0e-7 on `small` float32 sparse). Floor: 2^-18 = 3.8e-6,
+#   lucky torch draw can be several times below an equally good JAX one (measured:
+#   torch 3.2e-8 vs JAX 1.2e-7 on `small` float32 sparse). Floor: 2^-18 = 3.8e-6,
 #   the random-walk size with a 1.4x margin.
 FLOOR = {
     "float32": {"fwd": 2.0**-24, "loss": 2.0**-18, "grad": 2.0**-24},
@@ -123,17 +123,22 @@ EXACT64 = 1e-12
 # The head-chunked path projects each chunk's queries inside the scan body
 # (no all-heads q ever exists). XLA:CPU picks a different GEMM blocking for a
 # 32-column slice than for the whole matrix, so q can differ by one ulp of the
-# compute dtype (measured: 24774 of 32768 float32 entries at chunk 1, 1 in
-# bfloat16; 0 at chunk >= 2). Everything after the projection is wide-dtype and
-# differs only by summation order. In the backward pass, cotangents cross the
+# compute dtype (measured with each projection jitted alone: 25045 of 32768
+# float32 entries at chunk 1, 0 in bfloat16, 28 in float16; 0 at chunk >= 2).
+# Everything after the projection is wide-dtype and differs only by summation order. In the backward pass, cotangents cross the
 # casts to the compute dtype, so one last-bit difference in an f32 cotangent can
 # flip a bfloat16/float16 rounding: gradients of low-precision runs may move by
 # an ulp of the compute dtype in a few elements.
 # Measured worst on random small problems (3 seeds, every chunk size of both knobs, dense
 # and sparse; after jax_impl/precision.round_to made every cast round exactly once):
 #   float32:  fwd 2.4e-6, loss 1.9e-7, grad 5.1e-7
-#   bfloat16: fwd 1.1e-6, loss 1.8e-7, grad 3.1e-3 (0.8 ulp(bf16))
+#   bfloat16: fwd 1.1e-6, loss 1.8e-7, grad 3.1e-3 (0.4 ulp(bf16))
 #   float16:  fwd 8.7e-5, loss 7.7e-7, grad 5.5e-4 (0.6 ulp(f16))
+# Query chunks (issue #13, same bound) r = 16 and 21 on S = 64, same problems:
+#   float32:  fwd 6.2e-7, loss 3.8e-7, grad 4.8e-7
+#   bfloat16: fwd 0,      loss 4.4e-7, grad 4.4e-3 (0.57 ulp(bf16): each block's wq_b /
+#             weights_proj gradient is rounded at its bfloat16 cast, tests/test_query_chunk.py)
+#   float16:  fwd 0,      loss 3.8e-7, grad 6.4e-4 (0.65 ulp(f16))
 # (float16 forward stays above bfloat16's: a one-ulp f16 flip of q, from a different
 # float32 FMA contraction of the RoPE products in the narrower program, moves a score by
 # 2^-11 relative; bfloat16 flips are 8x rarer at the same f32 noise.)
