@@ -38,14 +38,14 @@ venv312: $(STAMP312)
 parity: $(STAMP)
 	$(BIN)/csa-parity run
 
-# The whole suite: fixtures --check, the test matrix under xdist, the random configurations in
-# a process of their own (under xdist, after other tests in the same worker, XLA:CPU's compiler
-# segfaulted twice on one of their programs; alone it compiles and passes), then the sharded
+# The whole suite: fixtures --check, the test matrix under xdist, the random configurations and
+# the query-chunk tests in a process of their own (under xdist XLA:CPU's compiler segfaulted on
+# query-blocked programs, once in each file; run alone, both pass), then the sharded
 # slice in its own process (it needs 8 simulated devices before JAX starts).
 test: $(STAMP)
 	$(BIN)/python scripts/regenerate_fixtures.py --check
-	$(BIN)/python -m pytest -n auto --ignore=tests/test_random_configs.py
-	$(BIN)/python -m pytest tests/test_random_configs.py -n 0
+	$(BIN)/python -m pytest -n auto --ignore=tests/test_random_configs.py --ignore=tests/test_query_chunk.py
+	$(BIN)/python -m pytest tests/test_random_configs.py tests/test_query_chunk.py -n 0
 	$(BIN)/python -m pytest tests/sharded -n 0 -m sharded
 
 # The jax 0.12 leg (Python 3.12, no torch): the default matrix judged against the fixture
