@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .outputs import EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED
+from .outputs import EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -46,6 +46,7 @@ def to_numpy(x: Any) -> np.ndarray:
 
 _VERDICT = {PASSED: "ok", FAILED: "MISMATCH", EXCUSED: "excused", NOT_PROVIDED: "not provided",
             NOT_APPLICABLE: "not applicable"}
+assert tuple(_VERDICT) == STATUSES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,11 @@ class CheckResult:
     context: str = ""  # the matrix point, e.g. "small float32 ichunk=2 tchunk=0 sparse"
     stats: dict = dataclasses.field(default_factory=dict)
     template: str = "close"  # close | pattern | topk | isolation | status: which message
+
+    def __post_init__(self) -> None:
+        if self.status not in _VERDICT:
+            raise ValueError(f"CheckResult status={self.status!r} is not one of {', '.join(_VERDICT)} "
+                             "(harness.outputs.STATUSES)")
 
     @property
     def passed(self) -> bool:

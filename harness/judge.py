@@ -4,14 +4,18 @@
 
 `outputs` is the candidate's `Outputs` at the entry's point, `references` the oracle,
 the reference at the entry's dtype and (chunked points) the candidate's own native
-outputs (harness.outputs.References), `policy` the tolerance policy
-(harness.tolerance.Policy). This module imports no runner, no fixture code and no
-framework: whatever produced the arrays, the same rules judge them.
+outputs, with the reference's stored order errors and the problem's sizes
+(harness.outputs.References), `policy` the tolerance policy (harness.tolerance.Policy:
+profile and backend). This module imports no runner, no fixture code and no framework:
+whatever produced the arrays, the same rules judge them.
 
 For an entry (case, dtype t, chunks, mode, quantity) of implementation X:
-  oracle     X@t vs the float64 oracle: <= alpha * max(err(reference@t), floor[t]);
+  oracle     X@t vs the float64 oracle: <= alpha * max(err(reference@t), floor[t]), where
+             err(reference@t) is at least the stored order error (issue 14) and the floor
+             at least sqrt(n) unit roundoffs of the problem's reduction length;
              for t = float64 the check is `exact64` instead (bound EXACT64).
-  chunk      X@t chunked vs X@t native (a sharded point: vs the same chunks on one device):
+  chunk      X@t chunked (head chunks, query chunks) vs X@t native (a sharded point: vs the
+             same knobs on one device):
              the tight CHUNK bound, whenever `references.native` is given.
   topk       sets per query vs the oracle's, boundary ties excused within the score bound.
   isolation  d loss / d inputs exactly 0.

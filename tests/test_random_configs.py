@@ -152,7 +152,7 @@ def test_the_reproducer_reports_a_failure(monkeypatch):
 
     def broken(check, quantity, x, ref, bound, *a, **k):
         r = real(check, quantity, x, ref, bound, *a, **k)
-        return r if quantity != "loss" else type(r)(r.check, r.quantity, False, 1.0, bound)
+        return r if quantity != "loss" else type(r)(r.check, r.quantity, "failed", 1.0, bound)
 
     monkeypatch.setattr(rc, "compare_close", broken)
     report = check_problem(PINNED["no_blocks"])
