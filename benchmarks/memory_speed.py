@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harness.tolerance import MEMORY_FLOOR_FACTOR, MEMORY_GROWTH_SLACK
 from jax_impl import CSAConfig, indexer_loss, resolve_dtype
 from jax_impl.validate import FLOAT_INPUTS, INT_INPUTS, input_shapes, param_shapes
 
@@ -67,13 +68,13 @@ ANCHOR_GIB = {0: 16.3, 1: 1.47, 8: 2.69}
 # The small compile-only shape of tests/test_memory.py and of the mutation worker's memory
 # check: HI*DI / W = 2 (the issue's shapes: 4), so an all-heads q [B, S, HI, DI] is two
 # [B, S, W] arrays, large enough to see. FLOOR_FACTOR: the issue's bound, chunk 1 holds at
-# most twice its analytic floor.
+# most twice its analytic floor (the number lives in harness/tolerance.py).
 TEST_SHAPE = dict(
     emb_dim=64, q_lora_rank=64, index_n_heads=16, index_head_dim=64, rope_head_dim=32,
     compress_ratio=4, index_topk=16, num_query_heads=16, head_dim=64,
 )
 TEST_BATCH, TEST_SEQ = 1, 2048
-FLOOR_FACTOR = 2.0
+FLOOR_FACTOR = MEMORY_FLOOR_FACTOR
 
 
 def bench_config(indexer_head_chunk: int, loss_head_chunk: int, **overrides) -> CSAConfig:
@@ -287,7 +288,7 @@ def sweep_points(chunks):
     return rows
 
 
-def grows_no_worse_than_linearly(points, slack=1.15):
+def grows_no_worse_than_linearly(points, slack=MEMORY_GROWTH_SLACK):
     """No worse than linear: the memory each extra head adds (per-head slope between
     consecutive chunk sizes) never exceeds `slack` times the larger of the floor's own
     per-head slope over the same step and every earlier measured slope. Linear growth has

@@ -1,9 +1,10 @@
 """The case catalogue: one entry per fixture, as data (a new case is a new entry, not new code).
 
-Each `Case` names what it exercises, holds the full config dict (every
-`CSAConfig` field, defaults written out, chunks 0, `sparse_loss` False: the
-harness flips those per matrix point), the batch and sequence sizes, the seed,
-and the layout knobs `make_inputs` reads:
+Each `Case` names what it exercises, holds the problem's config dict (every
+`CSAConfig` field but the run-time knobs, defaults written out: the chunk sizes,
+the query chunk and `sparse_loss` are set per matrix point, never stored with a
+case or in its fixture, so a new knob rewrites no fixture), the batch and sequence
+sizes, the seed, and the layout knobs `make_inputs` reads:
 
 - `documents`: per row, the lengths of the packed documents (positions restart
   at 0 and the segment id changes at each start). `None`: one document per row.
@@ -28,9 +29,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .outputs import INPUT_NAMES, PARAM_NAMES  # noqa: F401  (re-exported: the catalogue's names)
+
 # Every CSAConfig field in declaration order, with its default (None = required), except
-# the run-time knob `query_chunk` (issue #13): it changes no result, so it is not part of a
-# fixture's config or identity; the harness adds it per matrix point when non-zero.
+# the run-time knob `query_chunk` (issue #13), which a plug-in that predates it need not
+# know: the harness passes it per matrix point only when non-zero.
 CONFIG_FIELDS: tuple[tuple[str, Any], ...] = (
     ("emb_dim", None),
     ("q_lora_rank", None),
@@ -49,10 +52,13 @@ CONFIG_FIELDS: tuple[tuple[str, Any], ...] = (
     ("loss_scale", 1.0),
 )
 
-INPUT_NAMES = ("hidden_states", "q_latent", "position_ids", "segment_ids",
-               "teacher_query", "teacher_kv")
-PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm",
-               "indexer.wq_b", "indexer.weights_proj")
+# Run-time knobs, with their defaults: set per matrix point (harness.implementations.run_config),
+# never part of a case or its fixture (they change how a result is computed, not what it is).
+KNOB_DEFAULTS: dict[str, Any] = {"indexer_head_chunk": 0, "loss_head_chunk": 0, "query_chunk": 0,
+                                 "sparse_loss": False}
+KNOB_FIELDS = tuple(KNOB_DEFAULTS)
+# The fields that define a problem: what a case and its fixture hold.
+PROBLEM_FIELDS: tuple[tuple[str, Any], ...] = tuple((n, d) for n, d in CONFIG_FIELDS if n not in KNOB_DEFAULTS)
 
 # The a-slot gate offset of `tied_blocks` cases: exp(-1e4 + O(10)) is exactly 0
 # in float64 (underflow below about -745), so the a-slots carry weight 0.
@@ -60,12 +66,17 @@ ISOLATE_GATE = -1.0e4
 
 
 def full_config(**fields: Any) -> dict[str, Any]:
-    """A config dict with every field, in declaration order, defaults filled in."""
-    unknown = set(fields) - {n for n, _ in CONFIG_FIELDS}
+    """A problem config dict: every field but the run-time knobs, in declaration order,
+    defaults filled in. A knob at its default is dropped; any other value is refused."""
+    unknown = set(fields) - {n for n, _ in CONFIG_FIELDS} - set(KNOB_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown config field(s) {sorted(unknown)}")
+    for knob, default in KNOB_DEFAULTS.items():
+        if knob in fields and fields[knob] != default:
+            raise ValueError(f"{knob}={fields[knob]!r} is a run-time knob, set per matrix point "
+                             "(harness.matrix), not part of a case")
     out = {}
-    for name, default in CONFIG_FIELDS:
+    for name, default in PROBLEM_FIELDS:
         if name in fields:
             out[name] = fields[name]
         elif default is None:

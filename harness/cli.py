@@ -29,7 +29,7 @@ def _csv(kind):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import fixtures
+    from . import regenerate
 
     p = argparse.ArgumentParser(prog="csa-parity", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -51,15 +51,36 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     fx = sub.add_parser("fixtures", help="regenerate or --check the committed fixtures")
-    fixtures.add_arguments(fx)
+    regenerate.add_arguments(fx)
     return p
 
 
-def _validate_run_args(args) -> None:
+def _check_chunks(case: str, knob: str, heads_name: str, chunks) -> None:
+    """A head chunk size is 0 (no chunking) or a divisor of the head count: the harness's own
+    rule (harness.matrix.divisors), whatever implementation --impl names."""
     from .cases import get_case
+    from .matrix import divisors
+
+    heads = get_case(case).config[heads_name]
+    valid = [0, *divisors(heads)]
+    for c in chunks or []:
+        if c not in valid:
+            raise ValueError(f"case {case!r}: {knob}={c!r} must divide {heads_name}={heads} "
+                             f"(valid: {', '.join(map(str, valid))})")
+
+
+def _check_query_chunks(chunks) -> None:
+    """A query chunk is an int >= 0 (0 = all rows; it need not divide S: SPEC section 1)."""
+    for c in chunks or []:
+        if c < 0:
+            raise ValueError(f"query_chunk={c!r} must be an int >= 0 (0 = all rows)")
+
+
+def _validate_run_args(args) -> None:
+    from .cases import CASES, get_case
     from .implementations import load_implementation
-    from .matrix import DTYPES, MODES
-    import jax_impl
+    from .matrix import DTYPES
+    from .outputs import MODES
 
     for name in args.cases or []:
         get_case(name)
@@ -69,25 +90,11 @@ def _validate_run_args(args) -> None:
     for mode in args.modes or []:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not supported (valid: {', '.join(MODES)})")
-    from .cases import CASES
-
+    # The harness's own rules, not the code under test's: --impl may name a plug-in.
     for name in args.cases or list(CASES):
-        base = dict(get_case(name).config)
-        for c in args.ichunks or []:
-            try:
-                jax_impl.CSAConfig.from_dict({**base, "indexer_head_chunk": c})
-            except ValueError as exc:
-                raise ValueError(f"case {name!r}: {exc}") from None
-        for c in args.tchunks or []:
-            try:
-                jax_impl.CSAConfig.from_dict({**base, "loss_head_chunk": c})
-            except ValueError as exc:
-                raise ValueError(f"case {name!r}: {exc}") from None
-        for c in args.qchunks or []:
-            try:
-                jax_impl.CSAConfig.from_dict({**base, "query_chunk": c})
-            except ValueError as exc:
-                raise ValueError(f"case {name!r}: {exc}") from None
+        _check_chunks(name, "indexer_head_chunk", "index_n_heads", args.ichunks)
+        _check_chunks(name, "loss_head_chunk", "num_query_heads", args.tchunks)
+    _check_query_chunks(args.qchunks)
     load_implementation(args.impl)
     # Load (and so validate) every selected fixture here, before the workers and the
     # progress bar start: a damaged fixture is one line on stderr, nothing else.
@@ -122,7 +129,7 @@ def _init_worker(precision: str, fixtures_dir: str | None) -> None:
 
 
 def _evaluate_group(entries, reference: str, profile: str) -> list[dict]:
-    from .checks import evaluate
+    from .collect import evaluate
     from .report import record
 
     out = []
@@ -151,7 +158,7 @@ def platform_info(precision: str, reference: str) -> dict:
 
 def run(args) -> int:
     from .matrix import build_matrix
-    from .report import format_table, summarise, table, write_reports
+    from .report import format_table, status_line, summarise, table, write_reports
 
     _validate_run_args(args)
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.full,
@@ -160,7 +167,7 @@ def run(args) -> int:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
     groups: dict[str, list] = {}
     for e in entries:
-        groups.setdefault(e.point.group, []).append(e)
+        groups.setdefault(e.group, []).append(e)
     # Big groups first, so the last worker does not start the largest one alone.
     ordered = sorted(groups.values(), key=len, reverse=True)
     start = time.time()
@@ -202,7 +209,7 @@ def run(args) -> int:
     print()
     print(
         f"{summary['entries']} entries, {summary['checks']} checks, {summary['failed']} failed "
-        f"in {meta['wall_s']:.1f} s; top-k ties excused: {summary['topk_excused_ties']}; "
+        f"in {meta['wall_s']:.1f} s; " + status_line(summary) + f"; top-k ties excused: {summary['topk_excused_ties']}; "
         "worst ratio by dtype: " + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items())
     )
     # issue 14 hook: headroom and not-applicable points, on every run
@@ -224,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return run(args)
-        from . import fixtures
+        from . import regenerate
 
-        return fixtures.run_from_args(args)
+        return regenerate.run_from_args(args)
     except ValueError as exc:  # config, fixture, implementation, selection and directory errors
         print(f"csa-parity: error: {exc}", file=sys.stderr)
         return 2

@@ -1,13 +1,22 @@
-"""Comparators of SPEC section 10. They return a CheckResult and never raise on a
-mismatch; `CheckResult.message` explains a failure the way
-`torch.testing.assert_close` does (what, how many, worst where, by how much,
-against which bound), prefixed by the matrix point it belongs to.
+"""Comparators of SPEC section 10. They return a `CheckResult` and never raise on a
+mismatch. Each kind of check has one message template (`CheckResult.message`):
+
+  close      (oracle, exact64, chunk, oracle@sel, ...) reads like torch.testing.assert_close:
+             what, how many, the worst normalised difference where, against which bound;
+  pattern    a NaN, a differing -inf pattern or shape: what differs, where;
+  topk       how many queries pick other blocks beyond a boundary tie, how many ties
+             were excused, the first differing query;
+  isolation  how many input-gradient elements are not exactly 0, the largest, where;
+  status     not provided / not applicable: why.
 
 All errors are *normalised* so one bound serves tensors of any scale:
   - arrays: max |x - ref| / max |ref| over the tensor (`scale="tensor"`), or
     per row of the last axis (`scale="row"`, used for scores: each query's
     scores are judged against that query's largest score);
   - scalars: |x - ref| / |ref| (absolute when ref == 0).
+
+The top-k tie rule (`topk_sets`) is the only one in the project: the judge and the
+fixture `--check` (harness.regenerate) both call it.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import math
 from typing import Any
 
 import numpy as np
+
+from .outputs import EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -33,28 +44,39 @@ def to_numpy(x: Any) -> np.ndarray:
     return arr
 
 
+_VERDICT = {PASSED: "ok", FAILED: "MISMATCH", EXCUSED: "excused", NOT_PROVIDED: "not provided",
+            NOT_APPLICABLE: "not applicable"}
+assert tuple(_VERDICT) == STATUSES
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    check: str  # oracle | exact64 | chunk | topk | pattern | isolation | selection
+    check: str  # oracle | exact64 | chunk | oracle@sel | exact64@sel | chunk@sel | topk | chunk-topk | isolation
     quantity: str
-    passed: bool
-    error: float  # the normalised error observed (for topk: unexcused mismatches)
-    bound: float
-    where: tuple | None = None  # index of the worst element
+    status: str  # harness.outputs.STATUSES
+    error: float = 0.0  # the normalised error (topk: unexcused differing picks; isolation: largest |g|)
+    bound: float = 0.0
+    where: tuple | None = None  # index of the worst element (topk: the first differing query)
     mismatched: int = 0
     total: int = 0
-    note: str = ""  # extra facts: excused ties, the torch-at-dtype error, ...
+    note: str = ""  # extra facts: excused ties, the torch-at-dtype error, the reason of a status
     context: str = ""  # the matrix point, e.g. "small float32 ichunk=2 tchunk=0 sparse"
     stats: dict = dataclasses.field(default_factory=dict)
-    # issue 14 hook: the reason this backend cannot compute the check ("" = it can). Such a
-    # result is neither passed nor failed: status "not_applicable", counted and listed.
-    not_applicable: str = ""
+    template: str = "close"  # close | pattern | topk | isolation | status: which message
+
+    def __post_init__(self) -> None:
+        if self.status not in _VERDICT:
+            raise ValueError(f"CheckResult status={self.status!r} is not one of {', '.join(_VERDICT)} "
+                             "(harness.outputs.STATUSES)")
 
     @property
-    def status(self) -> str:
-        if self.not_applicable:
-            return "not_applicable"
-        return "passed" if self.passed else "failed"
+    def passed(self) -> bool:
+        """Judged and not failed: passed, or a difference excused as a boundary tie."""
+        return self.status in (PASSED, EXCUSED)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAILED
 
     @property
     def ratio(self) -> float:
@@ -64,48 +86,62 @@ class CheckResult:
 
     @property
     def message(self) -> str:
-        head = f"[{self.context}] {self.quantity} ({self.check}): "
-        if self.not_applicable:
-            return head + self.not_applicable
-        verdict = "ok" if self.passed else "MISMATCH"
-        body = (
-            f"{verdict}: mismatched elements: {self.mismatched} / {self.total} "
-            f"({100.0 * self.mismatched / max(self.total, 1):.1f}%); greatest normalised difference: "
-            f"{self.error:.3g}"
-            + (f" at index {self.where}" if self.where is not None else "")
-            + f" (up to {self.bound:.3g} allowed; ratio {self.ratio:.3g})"
-        )
-        return head + body + (f"; {self.note}" if self.note else "")
+        head = f"[{self.context}] {self.quantity} ({self.check}): {_VERDICT[self.status]}: "
+        return head + getattr(self, f"_body_{self.template}")()
+
+    def _body_close(self) -> str:
+        body = (f"mismatched elements: {self.mismatched} / {self.total} "
+                f"({100.0 * self.mismatched / max(self.total, 1):.1f}%); greatest normalised difference: "
+                f"{self.error:.3g}" + (f" at index {self.where}" if self.where is not None else "")
+                + f" (up to {self.bound:.3g} allowed; ratio {self.ratio:.3g})")
+        return body + (f"; {self.note}" if self.note else "")
+
+    def _body_pattern(self) -> str:
+        at = f" at index {self.where}" if self.where is not None else ""
+        return f"{self.note}{at} ({self.mismatched} of {self.total} elements)"
+
+    def _body_topk(self) -> str:
+        excused = int(self.stats.get("excused", 0))
+        body = (f"{self.mismatched} of {self.total} queries pick other blocks beyond a boundary tie, "
+                f"{excused} boundary-tie differences excused")
+        return body + (f"; first at (b, s) = {self.where}: {self.stats['first']}" if self.stats.get("first") else "")
+
+    def _body_isolation(self) -> str:
+        if not self.mismatched:
+            return f"all {self.total} input-gradient elements exactly 0"
+        return (f"{self.mismatched} of {self.total} input-gradient elements are not exactly 0; largest "
+                f"|{self.error:.3g}| at index {self.where} ({self.note})")
+
+    def _body_status(self) -> str:
+        return self.note
 
     def with_context(self, context: str) -> "CheckResult":
         return dataclasses.replace(self, context=context)
 
 
-def _nonfinite_problem(check, quantity, x, ref):
-    """A CheckResult if NaN appears or the +-inf patterns differ, else None."""
+def status_result(check: str, quantity: str, status: str, why: str, **stats) -> CheckResult:
+    """A check that compared no numbers: not provided, not applicable, or excused as a whole."""
+    return CheckResult(check, quantity, status, note=why, template="status", stats=dict(stats))
+
+
+def _pattern(check, quantity, bound, where, count, total, note) -> CheckResult:
+    return CheckResult(check, quantity, FAILED, math.inf, bound, where, count, total, note, template="pattern")
+
+
+def _nonfinite_problem(check, quantity, x, ref, bound):
+    """A failed CheckResult if NaN appears or the +-inf patterns differ, else None."""
     x_nan, r_nan = np.isnan(x), np.isnan(ref)
     if x_nan.any() or r_nan.any():
         bad = x_nan | r_nan
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         side = "candidate" if x_nan.any() else "reference"
-        return CheckResult(
-            check, quantity, False, math.inf, 0.0, where, int(bad.sum()), x.size, f"NaN in the {side}"
-        )
+        return _pattern(check, quantity, bound, where, int(bad.sum()), x.size, f"NaN in the {side}")
     x_inf, r_inf = np.isinf(x), np.isinf(ref)
     differ = (x_inf != r_inf) | (x_inf & r_inf & (np.sign(x) != np.sign(ref)))
     if differ.any():
         where = tuple(int(i) for i in np.argwhere(differ)[0])
-        return CheckResult(
-            check,
-            quantity,
-            False,
-            math.inf,
-            0.0,
-            where,
-            int(differ.sum()),
-            x.size,
-            f"-inf pattern differs (candidate {x[where]!r}, reference {ref[where]!r})",
-        )
+        return _pattern(check, quantity, bound, where, int(differ.sum()), x.size,
+                        f"-inf pattern differs (candidate {x[where]!r}, reference {ref[where]!r})")
     return None
 
 
@@ -142,23 +178,24 @@ def compare_close(check: str, quantity: str, x, ref, bound: float, scale: str = 
     """Normalised error of x against ref, judged against `bound`; NaN and -inf patterns first."""
     x, ref = to_numpy(x).astype(np.float64), to_numpy(ref).astype(np.float64)
     if x.shape != ref.shape:
-        return CheckResult(check, quantity, False, math.inf, bound, None, x.size, ref.size,
-                           f"shape differs: candidate {x.shape}, reference {ref.shape}")
-    problem = _nonfinite_problem(check, quantity, x, ref)
+        return _pattern(check, quantity, bound, None, x.size, ref.size,
+                        f"shape differs: candidate {x.shape}, reference {ref.shape}")
+    problem = _nonfinite_problem(check, quantity, x, ref, bound)
     if problem is not None:
-        return dataclasses.replace(problem, bound=bound)
+        return problem
     error, where, per_elem = normalised_error(x, ref, scale)
     mismatched = int(np.sum(per_elem > bound))
-    return CheckResult(check, quantity, error <= bound, error, bound, where, mismatched, max(x.size, 1), note)
+    status = PASSED if error <= bound else FAILED
+    return CheckResult(check, quantity, status, error, bound, where, mismatched, max(x.size, 1), note)
 
 
 def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: float, floor: float,
-                    scale: str = "tensor", order_error: float | None = None) -> CheckResult:
+                    scale: str = "tensor", check: str = "oracle", order_error: float | None = None) -> CheckResult:
     """SPEC section 10: err(candidate) <= alpha * max(err(torch at the same dtype), floor).
 
     `order_error` (issue 14): torch@t's worst error over K equivalent evaluation orders,
-    stored in the fixture (harness.fixtures.order_errors); err(torch at t) is then the larger
-    of it and the error of `torch_at_dtype` handed in."""
+    stored in the fixture (harness.regenerate.order_errors); err(torch at t) is then the
+    larger of it and the error of `torch_at_dtype` handed in."""
     t_err, _, _ = normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)
     one_order = t_err
     if order_error is not None:
@@ -166,11 +203,11 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
     bound = alpha * max(t_err, floor)
     orders = "" if order_error is None else f" (max over evaluation orders; this order {one_order:.3g})"
     note = f"torch-at-dtype error {t_err:.3g}{orders}, floor {floor:.3g}, alpha {alpha:g}"
-    result = compare_close("oracle", quantity, candidate, oracle, bound, scale, note)
+    result = compare_close(check, quantity, candidate, oracle, bound, scale, note)
     return dataclasses.replace(result, stats={"torch_error": t_err})
 
 
-def exactly_zero(quantity: str, grads: dict) -> CheckResult:
+def exactly_zero(quantity: str, grads: dict, check: str = "isolation") -> CheckResult:
     """Input-gradient isolation: every gradient must be exactly 0."""
     worst, where, count, total, name_at = 0.0, None, 0, 0, ""
     for name, g in grads.items():
@@ -182,26 +219,29 @@ def exactly_zero(quantity: str, grads: dict) -> CheckResult:
             worst = float(np.max(np.abs(g)))
             where = tuple(int(i) for i in np.unravel_index(int(np.argmax(np.abs(g))), g.shape))
             name_at = name
-    note = f"worst in d loss / d {name_at}" if count else "all input gradients exactly 0"
-    return CheckResult("isolation", quantity, count == 0, worst, 0.0, where, count, total, note)
+    note = f"in d loss / d {name_at}" if count else ""
+    return CheckResult(check, quantity, PASSED if count == 0 else FAILED, worst, 0.0, where, count, total,
+                       note, template="isolation")
 
 
-def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.ndarray | float) -> CheckResult:
-    """Compare top-k selections as sets per query, excusing boundary ties.
+def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.ndarray | float,
+              check: str = "topk") -> CheckResult:
+    """Compare top-k selections as sets per query, excusing boundary ties (the project's one rule).
 
-    A block picked by one side and not the other is excused only if its oracle
-    score lies within `score_tol` (absolute; scalar or per query [B, S]) of the
-    oracle's k-th picked score, and so is the block it replaced. -1 sentinels must
-    agree in number. Returns the number of unexcused swapped picks as `error`
-    (bound 0) and the number of excused ones in `stats["excused"]`.
+    A block picked by one side and not the other is excused only if its reference score
+    lies within `score_tol` (absolute; scalar or per query [B, S]) of the reference's k-th
+    picked score, and so is the block it replaced (every block of the symmetric difference).
+    -1 sentinels must agree in number. `error` is the number of unexcused swapped picks
+    (bound 0); `stats["excused"]` the excused ones. Status: passed when the sets agree,
+    excused when they differ only by excused ties, failed otherwise.
     """
     cand, orc = to_numpy(candidate).astype(np.int64), to_numpy(oracle).astype(np.int64)
     scores = to_numpy(oracle_scores).astype(np.float64)
     if cand.shape != orc.shape:
-        return CheckResult("topk", quantity, False, math.inf, 0.0, None, cand.size, orc.size,
-                           f"shape differs: candidate {cand.shape}, oracle {orc.shape}")
+        return _pattern(check, quantity, 0.0, None, cand.size, orc.size,
+                        f"shape differs: candidate {cand.shape}, reference {orc.shape}")
     tol = np.broadcast_to(np.asarray(score_tol, np.float64), cand.shape[:-1])
-    unexcused = excused = 0
+    unexcused = excused = bad_queries = 0
     first_bad, first_note = None, ""
     queries = cand.reshape(-1, cand.shape[-1]) if cand.size else np.zeros((0, 0), np.int64)
     orcs = orc.reshape(queries.shape)
@@ -212,8 +252,6 @@ def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.nda
         o = set(int(i) for i in orcs[q] if i >= 0)
         if a == o:
             continue
-        # A swap is excused only if every block on either side of it is tied with the
-        # oracle's k-th score: both the pick that was dropped and the one that replaced it.
         swapped = max(len(a - o), len(o - a))
         bad_here = swapped
         if len(a) == len(o) and all(i < rows.shape[-1] for i in a):
@@ -223,12 +261,12 @@ def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.nda
                 bad_here = 0
         if bad_here:
             unexcused += bad_here
+            bad_queries += 1
             if first_bad is None:
                 first_bad = tuple(int(i) for i in np.unravel_index(q, cand.shape[:-1]))
                 first_note = f"candidate picks {sorted(a)}, oracle picks {sorted(o)}"
+    status = FAILED if unexcused else (EXCUSED if excused else PASSED)
     note = f"{excused} boundary-tie differences excused"
-    if first_note:
-        note = f"{first_note}; {note}"
-    n_queries = queries.shape[0]
-    return CheckResult("topk", quantity, unexcused == 0, float(unexcused), 0.0, first_bad,
-                       unexcused, n_queries, note, stats={"excused": excused})
+    return CheckResult(check, quantity, status, float(unexcused), 0.0, first_bad, bad_queries,
+                       queries.shape[0], note, stats={"excused": excused, "first": first_note},
+                       template="topk")

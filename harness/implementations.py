@@ -1,31 +1,63 @@
-"""Implementations under test: the protocol, the built-ins and `module:factory` plug-ins.
+"""Everything that produces outputs, behind one protocol, and the cache of what they produced.
 
-An implementation is any object (a module works) with the three names of
-docs/API.md: `CSAConfig` (with `from_dict`), `indexer_forward(params, inputs,
-cfg, dtype)` and `indexer_loss_and_grads(params, inputs, cfg, dtype,
-selection=None)`. The harness builds the config from the case's plain dict and
-passes params and inputs as dicts of numpy arrays keyed by the canonical SPEC
-names, layout [in, out].
+An implementation has a `name` and `run(problem, point) -> Outputs`: the outputs of one
+problem (a loaded fixture, or a catalogue case being regenerated) at one point (dtype,
+indexer chunk, teacher chunk, query chunk, mesh), keyed by the canonical names of
+harness.outputs.
+The registry:
 
-Parameter layout: both built-in sides take the canonical [in, out] layout, so
-the mapping from canonical names to a side's layout is the identity. A plug-in
-that keeps another layout (torch nn.Linear is [out, in]) converts inside its own
-entry points; `PARAM_LAYOUT` below is the one place the harness records it.
+  jax           jax_impl (native, head-chunked and query-chunked: the point's knobs decide; a
+                point with a mesh runs jax_impl.sharded on that mesh, in a process that has the
+                devices)
+  torch_ref     the PyTorch reference, live (chunks ignored: it has none)
+  goldens       the torch outputs stored in the fixture (no torch needed)
+  module[:factory]  a plug-in following docs/API.md (`CSAConfig`, `indexer_forward`,
+                `indexer_loss_and_grads`, optionally `indexer_parity_bundle`)
+
+A plug-in may offer part of the protocol: without `indexer_loss_and_grads` it provides
+the forward quantities only, without `indexer_forward` the losses only, and an optional
+`NOT_PROVIDED = {name or prefix: reason}` withholds further names; the judge reports
+each withheld quantity as `not_provided`. An implementation that cannot run a point where
+it runs returns `Outputs(..., not_applicable="not applicable on <backend>: <reason>")`.
+
+Parameter layout: both built-in sides take the canonical [in, out] layout, so the
+mapping from canonical names to a side's layout is the identity. A plug-in that keeps
+another layout (torch nn.Linear is [out, in]) converts inside its own entry points;
+`PARAM_LAYOUT` is the one place the harness records it. This module is also the one
+place that maps each side's result names to the canonical ones.
+
+Caching: `outputs(impl, case, point)` runs each (implementation, case, point) once per
+process (torch: once per case and dtype); keyed by the fixtures directory too, which a
+test may point elsewhere (CSA_PARITY_FIXTURES). Nothing is written to disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib
-from typing import Any
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from .compare import to_numpy
+from .matrix import Point
+from .outputs import FORWARD_QUANTITIES, LOSS_VARIANTS, PARAM_NAMES, Outputs
 
 PROTOCOL = ("CSAConfig", "indexer_forward", "indexer_loss_and_grads")
+REQUIRED = ("CSAConfig",)  # and at least one of the two entry points
 
 # Built-in candidates, by short name -> "module" or "module:factory".
 BUILTINS = {"jax": "jax_impl"}
+REFERENCES = ("live", "goldens")  # the reference a run is judged against: torch_ref or goldens
 
 # Canonical name -> layout each built-in side expects (identity for both).
 PARAM_LAYOUT = {"jax": "[in, out]", "torch": "[in, out]"}
+
+# The run-time knobs a point sets on top of the problem's config (never stored in a fixture).
+KNOBS = ("indexer_head_chunk", "loss_head_chunk", "query_chunk", "sparse_loss")
 
 
 class ImplementationError(ValueError):
@@ -33,15 +65,120 @@ class ImplementationError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Implementation:
-    name: str  # the spec it was loaded from, e.g. "jax" or "mypkg.kernels:make_impl"
-    api: Any  # object with the PROTOCOL names
+class Problem:
+    """What an implementation runs on: a config (no run-time knobs), the inputs and
+    parameters (canonical names, numpy, [in, out]) and the float64 oracle's top-k (the
+    `selection` of the sparse_at_oracle variant; None while the oracle itself runs).
+    A loaded fixture (harness.fixtures.Fixture) has the same attributes."""
 
-    def config(self, config: dict):
+    name: str
+    config: Mapping[str, Any]
+    inputs: Mapping[str, np.ndarray]
+    params: Mapping[str, np.ndarray]
+    oracle_selection: np.ndarray | None = None
+
+
+def run_config(problem_config: Mapping[str, Any], point: Point, sparse: bool) -> dict[str, Any]:
+    """The problem's config plus the point's knobs (plain dict, for any side's from_dict).
+    `query_chunk` (issue #13) is passed only when set, so a plug-in that predates it still
+    runs every point without query chunks."""
+    cfg = {**problem_config, "indexer_head_chunk": point.ichunk, "loss_head_chunk": point.tchunk,
+           "sparse_loss": sparse}
+    if point.qchunk:
+        cfg["query_chunk"] = point.qchunk
+    return cfg
+
+
+def _canonical(forward, runs) -> dict[str, np.ndarray]:
+    """Canonical names from a forward dict and {variant: (loss, param_grads, input_grads)}."""
+    values = {k: to_numpy(v) for k, v in (forward or {}).items() if k in FORWARD_QUANTITIES}
+    for variant, (loss, pg, ig) in runs.items():
+        values[f"loss.{variant}"] = to_numpy(loss).reshape(())
+        values.update({f"grad.{variant}.{k}": to_numpy(v) for k, v in pg.items()})
+        values.update({f"input_grad.{variant}.{k}": to_numpy(v) for k, v in (ig or {}).items()})
+    return values
+
+
+# --------------------------------------------------------------------------- protocol sides
+
+
+@dataclasses.dataclass(frozen=True)
+class ProtocolImplementation:
+    """jax_impl or a plug-in: anything with the names of docs/API.md."""
+
+    name: str  # the spec it was loaded from, e.g. "jax" or "mypkg.kernels:make_impl"
+    api: Any
+
+    def config(self, config: Mapping[str, Any]):
         return self.api.CSAConfig.from_dict(dict(config))
 
+    def _has(self, attr: str) -> bool:
+        return callable(getattr(self.api, attr, None))
 
-def load_implementation(spec: str) -> Implementation:
+    def missing(self) -> dict[str, str]:
+        out = dict(getattr(self.api, "NOT_PROVIDED", {}) or {})
+        if not self._has("indexer_forward"):
+            out.update({q: f"{self.name} has no indexer_forward" for q in FORWARD_QUANTITIES})
+        if not self._has("indexer_loss_and_grads"):
+            why = f"{self.name} has no indexer_loss_and_grads"
+            out.update({"loss.": why, "grad.": why, "input_grad.": why})
+        return out
+
+    def run(self, problem, point: Point) -> Outputs:
+        if point.mesh is not None:
+            return self._run_sharded(problem, point)
+        selection = problem.oracle_selection
+        dense_cfg = self.config(run_config(problem.config, point, False))
+        validate = getattr(self.api, "validate_inputs", None)  # optional: host-side value checks
+        if callable(validate):
+            validate(problem.params, problem.inputs, dense_cfg, selection)
+        bundle = getattr(self.api, "indexer_parity_bundle", None)
+        if callable(bundle) and selection is not None:
+            raw = bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection)
+            forward = raw["forward"]
+            runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
+        else:
+            forward, runs = None, {}
+            if self._has("indexer_forward"):
+                forward = self.api.indexer_forward(problem.params, problem.inputs, dense_cfg, point.dtype)
+            if self._has("indexer_loss_and_grads"):
+                sparse_cfg = self.config(run_config(problem.config, point, True))
+                todo = [("dense", dense_cfg, None), ("sparse", sparse_cfg, None)]
+                if selection is not None:
+                    todo.append(("sparse_at_oracle", sparse_cfg, selection))
+                for variant, cfg, sel in todo:
+                    runs[variant] = self.api.indexer_loss_and_grads(problem.params, problem.inputs, cfg,
+                                                                    point.dtype, selection=sel)
+        values = _canonical(forward, runs)
+        missing = self.missing()
+        values = {k: v for k, v in values.items() if not any(k.startswith(m) for m in missing)}
+        if selection is None:
+            missing.setdefault("loss.sparse_at_oracle", "no oracle selection was given")
+            missing.setdefault("grad.sparse_at_oracle.", "no oracle selection was given")
+        return Outputs(self.name, values, missing)
+
+    def _run_sharded(self, problem, point: Point) -> Outputs:
+        sharded = getattr(self.api, "sharded", None) if self.name != "jax" else importlib.import_module("jax_impl.sharded")
+        if sharded is None:
+            return Outputs(self.name, not_applicable=f"{self.name} has no sharded entry point")
+        import jax
+        from jax.sharding import Mesh
+
+        data, model = point.mesh
+        n = data * model
+        if jax.device_count() < n:
+            return Outputs(self.name, not_applicable=(
+                f"not applicable on {jax.default_backend()} with {jax.device_count()} device(s): mesh "
+                f"{data}x{model} needs {n} (run the sharded slice in its own process: pytest tests/sharded)"))
+        mesh = Mesh(np.array(jax.devices()[:n]).reshape(point.mesh), ("data", "model"))
+        cfg = self.config(run_config(problem.config, point, False))
+        raw = sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype, mesh,
+                                            problem.oracle_selection)
+        runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
+        return Outputs(f"{self.name} mesh {data}x{model}", _canonical(raw["forward"], runs), self.missing())
+
+
+def load_implementation(spec: str) -> ProtocolImplementation:
     """`jax` (built-in), `package.module` (the module itself) or `package.module:factory`
     (the object `factory()` returns)."""
     target = BUILTINS.get(spec, spec)
@@ -58,10 +195,153 @@ def load_implementation(spec: str) -> Implementation:
         if not hasattr(module, factory):
             raise ImplementationError(f"implementation {spec!r}: module {module_name!r} has no {factory!r}")
         api = getattr(module, factory)()
-    missing = [name for name in PROTOCOL if not callable(getattr(api, name, None))]
-    if missing:
+    lacking = [n for n in REQUIRED if not callable(getattr(api, n, None))]
+    entry_points = [n for n in PROTOCOL[1:] if callable(getattr(api, n, None))]
+    if lacking or not entry_points:
+        missing = lacking + ([] if entry_points else ["indexer_forward or indexer_loss_and_grads"])
         raise ImplementationError(
             f"implementation {spec!r} lacks {', '.join(missing)} (the protocol of docs/API.md: "
-            f"{', '.join(PROTOCOL)})"
+            f"{', '.join(PROTOCOL)}; one of the two entry points may be left out)"
         )
-    return Implementation(spec, api)
+    return ProtocolImplementation(spec, api)
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+@contextlib.contextmanager
+def deterministic_torch():
+    """One thread and deterministic algorithms while torch computes; restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    det = torch.are_deterministic_algorithms_enabled()
+    warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield torch
+    finally:
+        torch.use_deterministic_algorithms(det, warn_only=warn)
+        torch.set_num_threads(threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchReference:
+    """torch_ref, live: the oracle in float64 and the reference at each low dtype. Chunks
+    and meshes are ignored (torch_ref has none). bfloat16 compressed keys come back as
+    ml_dtypes.bfloat16 (exact; what the fixture stores); read them with to_numpy."""
+
+    name: str = "torch_ref"
+    # The loss variants to compute (the order errors of harness.regenerate need two of them).
+    variants: tuple[str, ...] = LOSS_VARIANTS
+
+    def run(self, problem, point: Point) -> Outputs:
+        import ml_dtypes
+        import torch_ref
+
+        cfg = {k: v for k, v in problem.config.items() if k not in KNOBS}
+        dense = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": False})
+        sparse = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": True})
+
+        with deterministic_torch() as torch:
+            def np_of(t) -> np.ndarray:
+                t = t.detach().cpu()
+                if t.dtype == torch.bfloat16:
+                    return t.float().numpy().astype(ml_dtypes.bfloat16)
+                return t.numpy().copy()
+
+            dt = point.dtype
+            fwd = torch_ref.indexer_forward(problem.params, problem.inputs, dense, dt)
+            values = {"compressed_keys": np_of(fwd["compressed_keys"]),
+                      "index_scores": np_of(fwd["index_scores"]),
+                      "topk_indices": np_of(fwd["topk_indices"]).astype(np.int64)}
+            todo = [("dense", dense, None), ("sparse", sparse, None)]
+            if problem.oracle_selection is not None and dt != "float64":
+                todo.append(("sparse_at_oracle", sparse, problem.oracle_selection))
+            for variant, c, sel in [t for t in todo if t[0] in self.variants]:
+                loss, grads, _ = torch_ref.indexer_loss_and_grads(problem.params, problem.inputs, c, dt,
+                                                                  selection=sel)
+                values[f"loss.{variant}"] = np_of(loss).reshape(())
+                for p in PARAM_NAMES:
+                    values[f"grad.{variant}.{p}"] = np_of(grads[p])
+        missing = {"input_grad.": "torch_ref returns no input gradients to the harness"}
+        if dt == "float64":
+            missing["loss.sparse_at_oracle"] = missing["grad.sparse_at_oracle."] = (
+                "the float64 oracle's own selection is the selection: sparse_at_oracle is sparse")
+        return Outputs(f"torch_ref@{dt}", values, missing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Goldens:
+    """The torch outputs stored in the fixture (harness.fixtures.Fixture.goldens)."""
+
+    name: str = "goldens"
+
+    def run(self, problem, point: Point) -> Outputs:
+        goldens = getattr(problem, "goldens", None)
+        if not goldens:
+            return Outputs(self.name, not_applicable=f"{problem.name} holds no goldens")
+        values = {k: to_numpy(v) if k != "topk_indices" else v for k, v in goldens[point.dtype].items()
+                  if not k.startswith("orderr.")}  # the order errors are the reference's, not outputs
+        missing = {"input_grad.": "the fixture stores no input gradients"}
+        return Outputs(f"goldens@{point.dtype}", values, missing)
+
+
+# --------------------------------------------------------------------------- registry + cache
+
+
+def fixtures_dir() -> str | None:
+    return os.environ.get("CSA_PARITY_FIXTURES") or None
+
+
+@functools.lru_cache(maxsize=None)
+def implementation(spec: str):
+    """The implementation registered under `spec` (built-in name or plug-in spec)."""
+    if spec == "torch_ref":
+        return TorchReference()
+    if spec == "goldens":
+        return Goldens()
+    return load_implementation(spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _fixture(case: str, directory: str | None):
+    from .fixtures import load_case
+
+    return load_case(case, directory)
+
+
+def fixture(case: str):
+    """The loaded, validated fixture of `case` (cached per process and fixtures directory)."""
+    return _fixture(case, fixtures_dir())
+
+
+def order_errors(case: str, dtype: str) -> dict[str, float]:
+    """The reference's stored worst error at `dtype` over K evaluation orders, per canonical
+    name (issue 14): computed once, at fixture time, and used in live and goldens mode alike."""
+    return fixture(case).order_errors(dtype)
+
+
+def outputs(spec: str, case: str, point: Point) -> Outputs:
+    """The Outputs of implementation `spec` on the fixture `case` at `point` (cached)."""
+    if spec in ("torch_ref", "goldens"):  # no knobs, no mesh: one run per (case, dtype)
+        point = Point(point.case, point.dtype)
+    return _outputs(spec, case, point, fixtures_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _outputs(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
+    return implementation(spec).run(_fixture(case, directory), point)
+
+
+def reference_name(reference: str) -> str:
+    """`live` -> torch_ref, `goldens` -> goldens (the --reference choices)."""
+    if reference not in REFERENCES:
+        raise ValueError(f"reference={reference!r} is not supported (valid: {', '.join(REFERENCES)})")
+    return "torch_ref" if reference == "live" else "goldens"
+
+
+def clear_caches() -> None:
+    for fn in (_fixture, implementation, _outputs):
+        fn.cache_clear()

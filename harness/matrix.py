@@ -1,7 +1,7 @@
 """The parity matrix as data (like PyTorch's OpInfo): which checks exist.
 
-A matrix entry is one (case, dtype, indexer chunk, teacher chunk, mode,
-quantity). Tests and the CLI both read `build_matrix`; nothing else decides
+A matrix entry is one (case, dtype, indexer chunk, teacher chunk, query chunk,
+mode, quantity): a `Point` (what an implementation runs) and what is judged at it. Tests and the CLI both read `build_matrix`; nothing else decides
 what runs.
 
 Sampling (the full cross product, ~1400 compiled programs, would take most of an
@@ -33,73 +33,97 @@ from __future__ import annotations
 import dataclasses
 
 from .cases import CASES
-from .fixtures import PARAM_NAMES
+from .outputs import FORWARD_QUANTITIES, LOSS_QUANTITIES, MODES, kind_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 TEACHER_CHUNK_DTYPES = ("float32", "float64")
 QUERY_CHUNK_DTYPES = ("float32", "bfloat16", "float64")
 SWEEP_CASES = ("small", "flash_dims")
-FORWARD_QUANTITIES = ("compressed_keys", "index_scores", "topk_indices")
-LOSS_QUANTITIES = ("loss", *(f"grad.{p}" for p in PARAM_NAMES), "input_grads")
-MODES = ("forward", "dense", "sparse")
 
 
 def divisors(n: int) -> list[int]:
+    """The positive divisors of n: the chunk sizes (besides 0, no chunking) a head count allows."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Point:
-    """One compiled configuration: everything but the quantity."""
+    """What an implementation runs: one problem at one dtype with its run-time knobs
+    (indexer chunk, teacher chunk, query chunk (issue #13; 0 = all rows), and for sharded
+    runs the mesh (data, model)). One compiled program computes every mode and quantity of
+    a point."""
 
     case: str
     dtype: str
-    ichunk: int
-    tchunk: int
-    mode: str
-    impl: str = "jax"
-    qchunk: int = 0  # query rows per block (issue #13); 0 = all rows
+    ichunk: int = 0
+    tchunk: int = 0
+    qchunk: int = 0
+    mesh: tuple[int, int] | None = None
 
     @property
     def chunked(self) -> bool:
         return bool(self.ichunk or self.tchunk or self.qchunk)
 
     @property
-    def label(self) -> str:
-        impl = "" if self.impl == "jax" else f" impl={self.impl}"
-        q = f" qchunk={self.qchunk}" if self.qchunk else ""
-        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q} {self.mode}{impl}"
+    def native(self) -> "Point | None":
+        """What this point's outputs must reproduce up to summation order (the `chunk`
+        checks): a sharded point, the same knobs on one device; a chunked point, the same
+        problem with no chunking at all; a native single-device point, nothing."""
+        if self.mesh is not None:
+            return dataclasses.replace(self, mesh=None)
+        return dataclasses.replace(self, ichunk=0, tchunk=0, qchunk=0) if self.chunked else None
 
     @property
-    def group(self) -> str:
-        """Entries sharing compiled functions and torch results (one xdist worker each)."""
-        return f"{self.impl}-{self.case}-{self.dtype}"
+    def label(self) -> str:
+        q = f" qchunk={self.qchunk}" if self.qchunk else ""
+        mesh = f" mesh={self.mesh[0]}x{self.mesh[1]}" if self.mesh else ""
+        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q}{mesh}"
+
+    def spec(self) -> str:
+        """`case:dtype:ichunk:tchunk[:qchunk]` (a command-line form; see `parse`)."""
+        return f"{self.case}:{self.dtype}:{self.ichunk}:{self.tchunk}" + (f":{self.qchunk}" if self.qchunk else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Point":
+        fields = text.split(":")
+        if len(fields) not in (4, 5):
+            raise ValueError(f"point {text!r} must be case:dtype:ichunk:tchunk[:qchunk]")
+        case, dtype, ichunk, tchunk, *qchunk = fields
+        return cls(case, dtype, int(ichunk), int(tchunk), int(qchunk[0]) if qchunk else 0)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Entry:
+    """One matrix entry: an implementation's `quantity` at `point` in `mode`
+    (forward | dense | sparse, harness.outputs.MODES)."""
+
     point: Point
+    mode: str
     quantity: str
+    impl: str = "jax"
 
     @property
     def id(self) -> str:
         p = self.point
-        impl = "" if p.impl == "jax" else f"{p.impl}-"
+        impl = "" if self.impl == "jax" else f"{self.impl}-"
         q = f"-qchunk{p.qchunk}" if p.qchunk else ""
-        return f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}-{p.mode}-{self.quantity}"
+        mesh = f"-mesh{p.mesh[0]}x{p.mesh[1]}" if p.mesh else ""
+        return f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}{mesh}-{self.mode}-{self.quantity}"
 
     @property
     def kind(self) -> str:
-        q = self.quantity
-        if q == "topk_indices":
-            return "topk"
-        if q == "input_grads":
-            return "isolation"
-        if q.startswith("grad"):
-            return "grad"
-        if q == "loss":
-            return "loss"
-        return "forward"
+        """forward | topk | loss | grad | isolation (harness.outputs.kind_of)."""
+        return kind_of(self.quantity)
+
+    @property
+    def label(self) -> str:
+        impl = "" if self.impl == "jax" else f" impl={self.impl}"
+        return f"{self.point.label} {self.mode}{impl}"
+
+    @property
+    def group(self) -> str:
+        """Entries sharing compiled programs and torch results (one xdist worker each)."""
+        return f"{self.impl}-{self.point.case}-{self.point.dtype}"
 
 
 def combined_pair(case: str) -> tuple[int, int]:
@@ -149,6 +173,20 @@ def chunk_points(case: str, dtype: str, full: bool = False) -> list[tuple[int, i
     return sorted(set(points))
 
 
+def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
+    """Every entry of one point (forward quantities only at teacher chunk 0)."""
+    out = []
+    for mode in modes or MODES:
+        if mode == "forward":
+            if point.tchunk:
+                continue
+            quantities = FORWARD_QUANTITIES
+        else:
+            quantities = LOSS_QUANTITIES
+        out.extend(Entry(point, mode, q, impl) for q in quantities)
+    return out
+
+
 def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None,
                  impl: str = "jax", full: bool = False, qchunks=None) -> list[Entry]:
     """All entries. None = the sampling rule's choice; explicit `ichunks` / `tchunks` /
@@ -162,13 +200,5 @@ def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None
             else:
                 points = [(i, t, q) for i in (ichunks or [0]) for t in (tchunks or [0]) for q in (qchunks or [0])]
             for ichunk, tchunk, qchunk in points:
-                for mode in modes or MODES:
-                    if mode == "forward":
-                        if tchunk:
-                            continue
-                        quantities = FORWARD_QUANTITIES
-                    else:
-                        quantities = LOSS_QUANTITIES
-                    point = Point(case, dtype, ichunk, tchunk, mode, impl, qchunk)
-                    entries.extend(Entry(point, q) for q in quantities)
+                entries.extend(entries_at(Point(case, dtype, ichunk, tchunk, qchunk), modes, impl))
     return entries

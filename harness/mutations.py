@@ -49,29 +49,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from .matrix import Point  # the one Point: a slice runs every mode and quantity at it
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "jax_impl"
 
 STAGES = ("pooling", "rope", "scoring", "chunking", "loss", "precision")
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Point:
-    """One matrix point of a slice: every mode and quantity of build_matrix at it."""
-
-    case: str
-    dtype: str
-    ichunk: int = 0
-    tchunk: int = 0
-    qchunk: int = 0
-
-    def spec(self) -> str:
-        return f"{self.case}:{self.dtype}:{self.ichunk}:{self.tchunk}" + (f":{self.qchunk}" if self.qchunk else "")
-
-    @classmethod
-    def parse(cls, text: str) -> "Point":
-        case, dtype, ichunk, tchunk, *qchunk = text.split(":")
-        return cls(case, dtype, int(ichunk), int(tchunk), int(qchunk[0]) if qchunk else 0)
 
 
 # The slices. tiny (B=1, S=16, HI=2, H=2, W=4, k=2) is the cheapest problem with a top-k
@@ -479,7 +462,8 @@ def patch_copy(mutant: Mutant | None, dst: Path, src: Path | None = None) -> Pat
 # What the fork server imports once, so that each mutant's process starts with them: everything
 # the worker needs except jax_impl, which every child imports from its own copy. Importing jax
 # does not start its backend (no threads, no devices), so forking after it is safe.
-PRELOAD = ("numpy", "jax", "harness.compare", "harness.checks", "harness.matrix", "harness.mutation_worker")
+PRELOAD = ("numpy", "jax", "harness.compare", "harness.judge", "harness.matrix", "harness.outputs",
+           "harness.mutation_worker")
 
 
 def default_method() -> str:

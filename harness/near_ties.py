@@ -34,8 +34,8 @@ _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": 
 
 def score_tolerance(dtype: str) -> float:
     """The smallest tie tolerance the harness applies at `dtype`, relative to the row's largest
-    |score| (harness.checks.score_tolerance with torch's own error below the floor)."""
-    return tolerance.ALPHA["fwd"] * tolerance.floor(dtype, "index_scores")
+    |score| (harness.judge.score_tolerance with torch's own error below the floor)."""
+    return tolerance.ALPHA["forward"] * tolerance.floor(dtype, "index_scores")
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:

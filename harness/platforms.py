@@ -7,7 +7,8 @@ Two things read it:
 - `not_applicable(dtype, kind, backend)`: a pure function, None when the backend can
   compute the point, else the reason. Such a point is reported with the status "not
   applicable on <backend>: <reason>": counted and listed in every report, never dropped,
-  never counted as passed (harness.checks / harness.report; pytest skips it with the reason).
+  never counted as passed (harness.collect / harness.judge / harness.report; pytest skips it
+  with the reason).
 - `float32_operand_bits(backend, precision)`: the mantissa bits a float32 matmul operand
   keeps under a precision; harness.tolerance turns it into the float32 floor of the
   `default` profile per backend (a TPU's one bfloat16 pass is not a GPU's TF32).

@@ -44,13 +44,12 @@ from typing import Any
 import numpy as np
 
 from . import tolerance
-from .cases import CONFIG_FIELDS, Case, make_inputs
+from .cases import CONFIG_FIELDS, PROBLEM_FIELDS, Case, make_inputs
 from .compare import CheckResult, compare_close, exactly_zero, topk_sets
+from .fixtures import LOW_DTYPES
+from .outputs import PARAM_NAMES
 
 CHUNK_KNOBS = ("indexer_head_chunk", "loss_head_chunk", "query_chunk")
-LOW_DTYPES = ("float32", "bfloat16", "float16")
-PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm",
-               "indexer.wq_b", "indexer.weights_proj")
 
 
 def config_fields() -> tuple[str, ...]:
@@ -108,7 +107,7 @@ class Problem:
 
     def case(self) -> Case:
         """A catalogue `Case` for the data (make_inputs' seeded, deterministic draw)."""
-        known = {n for n, _ in CONFIG_FIELDS}
+        known = {n for n, _ in PROBLEM_FIELDS}  # the problem only: the knobs are not part of a case
         return Case("random", {k: v for k, v in self.config.items() if k in known}, self.batch,
                     self.seq_len, self.seed, "a random problem", documents=self.documents)
 

@@ -12,8 +12,11 @@ from collections import defaultdict
 
 from .compare import CheckResult
 from .matrix import Entry
+from .outputs import EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, kind_of
 
-JSON_SCHEMA_VERSION = 1
+# 2: "status" (one of the five of harness.outputs.STATUSES) replaces "passed"; "mesh";
+#    summary["statuses"] counts each; headroom kinds are harness.outputs.kind_of's.
+JSON_SCHEMA_VERSION = 2
 COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "loss", "grad", "input_grads")
 
 
@@ -31,11 +34,12 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "ichunk": p.ichunk,
         "tchunk": p.tchunk,
         "qchunk": p.qchunk,
-        "mode": p.mode,
-        "impl": p.impl,
+        "mesh": list(p.mesh) if p.mesh else None,
+        "mode": entry.mode,
+        "impl": entry.impl,
         "quantity": entry.quantity,
         "check": result.check,
-        "passed": bool(result.passed),
+        "status": result.status,  # passed | failed | excused | not_provided | not_applicable
         "error": _finite_or_str(result.error),
         "bound": result.bound,
         "ratio": _finite_or_str(ratio),
@@ -43,7 +47,6 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "mismatched": result.mismatched,
         "total": result.total,
         "excused_ties": int(result.stats.get("excused", 0)),
-        "status": result.status,  # issue 14 hook: passed | failed | not_applicable
         "note": result.note,
         "message": result.message,
     }
@@ -59,41 +62,33 @@ def _ratio(rec: dict) -> float:
 
 
 def _failed(rec: dict) -> bool:
-    return not rec["passed"] and rec.get("status") != "not_applicable"
+    return rec["status"] == FAILED
 
 
-def _applicable(rec: dict) -> bool:
-    return rec.get("status") != "not_applicable"
+def _judged(rec: dict) -> bool:
+    """Compared numbers (passed, failed or excused): only these have a meaningful ratio."""
+    return rec["status"] in (PASSED, FAILED, EXCUSED)
 
 
-# issue 14 hook: headroom. The kind of a check's quantity (harness.tolerance.kind_of, plus
-# topk and isolation); the worst ratio per (kind, dtype) and how many checks sit above 0.5.
+def status_line(summary: dict) -> str:
+    """'2210 passed, 0 failed, 12 excused, 0 not provided, 0 not applicable'."""
+    return ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in summary["statuses"].items())
+
+
+# issue 14: headroom. The worst ratio per (quantity kind, dtype), kinds as
+# harness.outputs.kind_of names them, and how many checks sit above 0.5.
 HEADROOM_MARK = 0.5
-
-
-def quantity_kind(quantity: str) -> str:
-    if quantity == "topk_indices":
-        return "topk"
-    if quantity == "input_grads":
-        return "isolation"
-    return {"fwd": "fwd", "loss": "loss", "grad": "grad"}[_tolerance_kind(quantity)]
-
-
-def _tolerance_kind(quantity: str) -> str:
-    from .tolerance import kind_of
-
-    return kind_of(quantity)
 
 
 def headroom(records: list[dict]) -> dict:
     """{"worst_ratio": {kind: {dtype: ratio}}, "above_half": n, "above_half_checks": [ids]}
-    over the applicable checks with a bound (topk and isolation have bound 0: not ratios)."""
+    over the judged checks with a bound (topk and isolation have bound 0: not ratios)."""
     worst: dict[str, dict[str, float]] = {}
     above = []
     for rec in records:
-        if not _applicable(rec) or not rec["bound"]:
+        if not _judged(rec) or not rec["bound"]:
             continue
-        kind, r = quantity_kind(rec["quantity"]), _ratio(rec)
+        kind, r = kind_of(rec["quantity"]), _ratio(rec)
         row = worst.setdefault(kind, {})
         row[rec["dtype"]] = max(row.get(rec["dtype"], 0.0), r)
         if r > HEADROOM_MARK:
@@ -105,26 +100,29 @@ def headroom(records: list[dict]) -> dict:
 def summarise(records: list[dict]) -> dict:
     worst_by_dtype: dict[str, float] = {}
     for rec in records:
-        if _applicable(rec):
+        if _judged(rec):
             worst_by_dtype[rec["dtype"]] = max(worst_by_dtype.get(rec["dtype"], 0.0), _ratio(rec))
     topk = [r for r in records if r["check"] == "topk"]
-    na = [r for r in records if not _applicable(r)]
-    na_reasons: dict[str, int] = {}
-    for r in na:
-        na_reasons[r["note"]] = na_reasons.get(r["note"], 0) + 1
+    reasons: dict[str, dict[str, int]] = {NOT_APPLICABLE: {}, NOT_PROVIDED: {}}
+    for r in records:
+        if r["status"] in reasons:
+            reasons[r["status"]][r["note"]] = reasons[r["status"]].get(r["note"], 0) + 1
+    statuses = {s: sum(r["status"] == s for r in records) for s in STATUSES}
     return {
         "entries": len({r["id"] for r in records}),
         "checks": len(records),
-        "failed": sum(_failed(r) for r in records),
+        "statuses": statuses,  # every check in exactly one of the five
+        "failed": statuses[FAILED],
         "failed_entries": len({r["id"] for r in records if _failed(r)}),
-        # issue 14 hook: never dropped, never passed: counted, with every id in results
-        "not_applicable": len(na),
-        "not_applicable_reasons": na_reasons,
+        # never dropped, never passed: counted, with every id in results and the reasons here
+        "not_applicable": statuses[NOT_APPLICABLE],
+        "not_applicable_reasons": reasons[NOT_APPLICABLE],
+        "not_provided_reasons": reasons[NOT_PROVIDED],
         "headroom": headroom(records),
         "worst_ratio_by_dtype": {k: _finite_or_str(v) for k, v in worst_by_dtype.items()},
         "topk_excused_ties": sum(r["excused_ties"] for r in topk),
         "topk_unexcused": sum(r["mismatched"] for r in topk if _failed(r)),
-        "sparse_end_to_end_excused": sum(1 for r in records if r["check"] == "oracle" and r["excused_ties"]),
+        "sparse_end_to_end_excused": sum(1 for r in records if r["check"] == "oracle" and r["status"] == EXCUSED),
     }
 
 
@@ -142,9 +140,9 @@ def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
             if not recs:
                 row.append("-")
                 continue
-            live = [r for r in recs if _applicable(r)]
-            if not live:  # issue 14 hook
-                row.append("n/a")
+            live = [r for r in recs if _judged(r)]
+            if not live:  # nothing compared: not provided by the implementation, or not applicable here
+                row.append("n/p" if any(r["status"] == NOT_PROVIDED for r in recs) else "n/a")
                 continue
             worst = max(_ratio(r) for r in live)
             ok = not any(_failed(r) for r in live)
@@ -200,7 +198,7 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         f"- implementation: `{meta.get('impl')}`; reference: `{meta.get('reference')}`; "
         f"platform: {meta.get('platform', {}).get('backend')} ({meta.get('platform', {}).get('device_kind')}); "
         f"matmul precision: {meta.get('platform', {}).get('matmul_precision')}",
-        f"- {summary['entries']} matrix entries, {summary['checks']} checks, {summary['failed']} failed; "
+        f"- {summary['entries']} matrix entries, {summary['checks']} checks: {status_line(summary)}; "
         f"wall time {meta.get('wall_s', 0):.1f} s",
         f"- top-k: {summary['topk_excused_ties']} set differences excused as boundary ties, "
         f"{summary['topk_unexcused']} unexcused; sparse end-to-end checks excused for tie flips: "
@@ -210,6 +208,7 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         f"- not applicable on this backend: {summary['not_applicable']} checks (counted apart from "
         "passed and failed; listed in parity.json with their reason)",
         *na_lines,
+        *[f"- {n} checks not provided: {reason}" for reason, n in summary["not_provided_reasons"].items()],
         "",
         f"## Headroom: worst error/bound per quantity kind and dtype; {hr['above_half']} checks above "
         f"{HEADROOM_MARK}",
@@ -218,8 +217,9 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         "",
         *[f"- above {HEADROOM_MARK}: `{c}`" for c in hr["above_half_checks"][:50]],
         "",
-        "Cells: `ok`/`FAIL` and the worst ratio error/bound over every check of that column "
-        "(all chunk sizes and modes). A ratio <= 1 passes; `grad` is the worst of the six parameters.",
+        "Cells: `ok`/`FAIL` and the worst ratio error/bound over every judged check of that column "
+        "(all chunk sizes and modes). A ratio <= 1 passes; `grad` is the worst of the six parameters; "
+        "`n/p`: not provided by the implementation, `n/a`: not applicable on this platform.",
         "",
         format_table(header, rows, markdown=True),
         "",
@@ -255,7 +255,7 @@ def heatmap(records: list[dict], path: str, summary: dict | None = None) -> None
     for ax, col in zip(axes[0], cols):
         grid = np.full((len(chunks), len(dtypes)), np.nan)
         for r in records:
-            if column_of(r["quantity"]) != col or not _applicable(r):
+            if column_of(r["quantity"]) != col or not _judged(r):
                 continue
             i, j = chunks.index((r["ichunk"], r["tchunk"], r.get("qchunk", 0))), dtypes.index(r["dtype"])
             v = min(_ratio(r), 1e300)

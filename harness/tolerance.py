@@ -4,22 +4,34 @@ Errors are normalised (harness.compare): max |x - ref| / max |ref| per tensor,
 per query row for scores, relative for scalars. "ulp(t)" below is the spacing
 of dtype t at 1.0: float32 2^-23, bfloat16 2^-7, float16 2^-10.
 
-The figures quoted as "measured" come from `python scripts/measure_tolerances.py`,
+Every figure quoted as "measured" below is re-measured by one command,
+
+    python scripts/measure_tolerances.py          # [--quick]: fewer seeds and fixtures
+
 which reruns each measurement (random problems for CHUNK, the committed fixtures
-for the rest) and prints the worst value per entry next to its bound.
+for the rest) and prints the worst value per entry next to its bound. Later issues
+that change a bound re-run it and update the figures here.
+
+Tables are keyed by the numeric kinds of harness.outputs.kind_of: forward
+(compressed keys, scores), loss, grad. The top-k rule takes its score tolerance
+from the forward row; isolation is exact (0). `Policy` is the judge's view of
+all of it (harness.judge).
 """
 
 from __future__ import annotations
 
-# Quantity kinds: how each compared quantity is grouped for the tables below.
-def kind_of(quantity: str) -> str:
-    if quantity in ("compressed_keys", "index_scores"):
-        return "fwd"
-    if quantity.startswith("loss"):
-        return "loss"
-    if quantity.startswith("grad"):
-        return "grad"
-    raise KeyError(quantity)
+import dataclasses
+from typing import Mapping
+
+from .outputs import kind_of
+
+
+def numeric_kind(quantity: str) -> str:
+    """forward | loss | grad: the row of the tables below that judges `quantity`."""
+    kind = kind_of(quantity)
+    if kind not in ("forward", "loss", "grad"):
+        raise KeyError(f"{quantity!r} ({kind}) has no numeric tolerance")
+    return kind
 
 
 # --- SPEC section 10: JAX vs the float64 oracle, relative to torch at the same dtype
@@ -27,11 +39,11 @@ def kind_of(quantity: str) -> str:
 # Alpha: FlashAttention's rule, 2 for forward values; gradients chain one more
 # rounded product (the cotangent of each low-precision cast is rounded again),
 # hence 3 (SPEC section 10).
-ALPHA = {"fwd": 2.0, "loss": 2.0, "grad": 3.0}
+ALPHA = {"forward": 2.0, "loss": 2.0, "grad": 3.0}
 
 # Floors stop a lucky near-zero torch error from making the bound impossible
 # (e.g. a loss whose inputs round identically on both sides).
-# - fwd and grad: one unit roundoff of the compute dtype, relative to the
+# - forward and grad: one unit roundoff of the compute dtype, relative to the
 #   tensor's largest value: an implementation cannot promise less than
 #   rounding its own output once.
 # - loss: a scalar reduced in the wide dtype (float32 for every dtype but
@@ -41,9 +53,9 @@ ALPHA = {"fwd": 2.0, "loss": 2.0, "grad": 3.0}
 #   torch 3.2e-8 vs JAX 1.2e-7 on `small` float32 sparse). Floor: 2^-18 = 3.8e-6,
 #   the random-walk size with a 1.4x margin.
 FLOOR = {
-    "float32": {"fwd": 2.0**-24, "loss": 2.0**-18, "grad": 2.0**-24},
-    "bfloat16": {"fwd": 2.0**-9, "loss": 2.0**-18, "grad": 2.0**-9},
-    "float16": {"fwd": 2.0**-12, "loss": 2.0**-18, "grad": 2.0**-12},
+    "float32": {"forward": 2.0**-24, "loss": 2.0**-18, "grad": 2.0**-24},
+    "bfloat16": {"forward": 2.0**-9, "loss": 2.0**-18, "grad": 2.0**-9},
+    "float16": {"forward": 2.0**-12, "loss": 2.0**-18, "grad": 2.0**-12},
 }
 
 
@@ -86,7 +98,7 @@ def reduction_length(quantity: str, dims: dict) -> int | None:
 # unchanged. `default` is each backend's out-of-the-box float32 matmul: its operands keep
 # fewer mantissa bits (harness.platforms: TPU one bfloat16 pass, 7 stored bits; GPU TF32,
 # 10 bits; CPU ignores the setting, 23 bits). Under it a float32 run is as accurate as a
-# run whose matmul operands are rounded to that mantissa, so the float32 fwd/grad floors rise
+# run whose matmul operands are rounded to that mantissa, so the float32 forward/grad floors rise
 # to half its unit roundoff, 2^-(bits + 2), the convention of the bfloat16 (2^-9, 7 bits)
 # and float16 (2^-12, 10 bits) rows above; the torch reference (CPU) keeps true float32, so
 # without the raised floor every float32 matmul result would fail. On CPU `default` equals
@@ -103,7 +115,7 @@ def floor(dtype: str, quantity: str, profile: str = "highest", backend: str = "c
 
     if profile not in PROFILES:
         raise ValueError(f"profile={profile!r} is not supported (valid: {', '.join(PROFILES)})")
-    kind = kind_of(quantity)
+    kind = numeric_kind(quantity)
     value = FLOOR[dtype][kind]
     bits = float32_operand_bits(backend, profile)
     if dtype == "float32" and kind != "loss" and bits < 23:
@@ -131,26 +143,109 @@ EXACT64 = 1e-12
 # an ulp of the compute dtype in a few elements.
 # Measured worst on random small problems (3 seeds, every chunk size of both knobs, dense
 # and sparse; after jax_impl/precision.round_to made every cast round exactly once):
-#   float32:  fwd 2.4e-6, loss 1.9e-7, grad 5.1e-7
-#   bfloat16: fwd 1.1e-6, loss 1.8e-7, grad 3.1e-3 (0.4 ulp(bf16))
-#   float16:  fwd 8.7e-5, loss 7.7e-7, grad 5.5e-4 (0.6 ulp(f16))
+#   float32:  forward 2.4e-6, loss 1.9e-7, grad 5.1e-7
+#   bfloat16: forward 1.1e-6, loss 1.8e-7, grad 3.1e-3 (0.4 ulp(bf16))
+#   float16:  forward 8.7e-5, loss 7.7e-7, grad 5.5e-4 (0.6 ulp(f16))
 # Query chunks (issue #13, same bound) r = 16 and 21 on S = 64, same problems:
-#   float32:  fwd 6.2e-7, loss 3.8e-7, grad 4.8e-7
-#   bfloat16: fwd 0,      loss 4.4e-7, grad 4.4e-3 (0.57 ulp(bf16): each block's wq_b /
+#   float32:  forward 6.2e-7, loss 3.8e-7, grad 4.8e-7
+#   bfloat16: forward 0,      loss 4.4e-7, grad 4.4e-3 (0.57 ulp(bf16): each block's wq_b /
 #             weights_proj gradient is rounded at its bfloat16 cast, tests/test_query_chunk.py)
-#   float16:  fwd 0,      loss 3.8e-7, grad 6.4e-4 (0.65 ulp(f16))
+#   float16:  forward 0,      loss 3.8e-7, grad 6.4e-4 (0.65 ulp(f16))
 # (float16 forward stays above bfloat16's: a one-ulp f16 flip of q, from a different
 # float32 FMA contraction of the RoPE products in the narrower program, moves a score by
 # 2^-11 relative; bfloat16 flips are 8x rarer at the same f32 noise.)
 # Each bound is a round number a few times above its measurement and at least
 # 30x below the same-dtype error against the oracle, so it stays tight.
 CHUNK = {
-    "float64": {"fwd": EXACT64, "loss": EXACT64, "grad": EXACT64},
-    "float32": {"fwd": 1e-5, "loss": 2e-6, "grad": 4e-6},
-    "bfloat16": {"fwd": 2e-4, "loss": 5e-6, "grad": 2.0**-7},
-    "float16": {"fwd": 4e-4, "loss": 5e-6, "grad": 4.0 * 2.0**-10},
+    "float64": {"forward": EXACT64, "loss": EXACT64, "grad": EXACT64},
+    "float32": {"forward": 1e-5, "loss": 2e-6, "grad": 4e-6},
+    "bfloat16": {"forward": 2e-4, "loss": 5e-6, "grad": 2.0**-7},
+    "float16": {"forward": 4e-4, "loss": 5e-6, "grad": 4.0 * 2.0**-10},
 }
 
 
 def chunk_bound(dtype: str, quantity: str) -> float:
-    return CHUNK[dtype][kind_of(quantity)]
+    return CHUNK[dtype][numeric_kind(quantity)]
+
+
+# --- Top-k: a pick that differs from the reference's is excused only when it and the
+# pick it replaced both score within the forward bound of the reference's k-th score
+# (harness.judge.score_tolerance; the rule itself is harness.compare.topk_sets, the only
+# one in the project). Isolation: d loss / d inputs must be exactly 0.
+ISOLATION = 0.0
+
+
+# --- fixtures --check (harness.regenerate): how far a regenerated golden may move from
+# the committed one. Inputs and parameters come from numpy's seeded PCG64 and must match
+# bit for bit. Goldens come from torch kernels whose reduction order may differ between
+# CPUs and library builds (not between runs: generation runs single-threaded with
+# deterministic algorithms, and two runs on one machine are byte-identical, which
+# tests/test_fixtures.py asserts). The bound is normwise: max |new - old| over the finite
+# entries <= rtol * max |old|, with -inf / NaN patterns exact; top-k picks as sets per
+# query, a swap excused only between scores tied within rtol * max |row| (the judge's
+# tie rule, harness.compare.topk_sets).
+#   float64: 1e-12 (= EXACT64). A different summation order moves a float64 result by a
+#     few ulp of its partial sums (about 1e-16 relative, times at most a few hundred
+#     terms); a regeneration that moves further is a change of formula, not of order
+#     (jax_impl, a whole other implementation, differs from the float64 goldens by at
+#     most 3.8e-15 normwise).
+#   float32 / bfloat16 / float16: 16 * eps(dtype) = 1.9e-6, 6.3e-2, 7.8e-3 (eps: 2^-23,
+#     2^-8, 2^-11). Measured here (AMD EPYC, torch 2.13 CPU): run to run 0 (bit-identical);
+#     1 vs 2 threads, deterministic algorithms on vs off: also 0 (at these sizes torch's
+#     CPU kernels do not split reductions across threads). So the only thing another
+#     build could do is reorder sums; the largest reordering at hand is a whole other
+#     implementation, jax_impl on the same fixtures, and it differs from these goldens by
+#     at most 3.1 eps(dtype) on keys and scores, 3.0 eps on losses, and 8.7 eps (float32),
+#     1.0 eps (bfloat16), 1.3 eps (float16) on gradients (scripts/measure_tolerances.py,
+#     FIXTURE_CHECK). 16 eps covers that with room and still flags a real change.
+#     A pick that flips at a near-tie shows up in topk_indices and in the own-selection
+#     sparse goldens, loudly, and is worth a look.
+FIXTURE_CHECK_RTOL = {
+    "float64": EXACT64,
+    "float32": 16 * 2.0 ** -23,
+    "bfloat16": 16 * 2.0 ** -8,
+    "float16": 16 * 2.0 ** -11,
+}
+# A stored order error (golden.<dtype>.orderr.<name>, issue 14) is an error estimate, not a
+# value: another CPU's kernels may move it by O(1) relative. --check flags a regeneration
+# when one moves by more than this factor.
+ORDERR_CHECK_FACTOR = 2.0
+
+
+# --- Memory of head chunking (tests/test_memory.py, the mutation self-test's `memory`
+# check and benchmarks/memory_speed.py, which read these: a test keeps them the same).
+# Chunk 1 holds at most MEMORY_FLOOR_FACTOR x its analytic floor (the issue's bound;
+# measured 1.83 x with jax.checkpoint around the scan body, 2.45 x without it).
+MEMORY_FLOOR_FACTOR = 2.0
+# Per-head growth of temp memory with the chunk size: at most the floor's per-head cost
+# (or the largest earlier one) times this slack: room for XLA's buffer packing, while the
+# plain-autodiff backward (4A per head instead of 2A) fails.
+MEMORY_GROWTH_SLACK = 1.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The tolerance policy the judge applies: the tables above under one matmul precision
+    profile, on one backend (whose float32 matmul operands the `default` profile's floors
+    read: harness.platforms). The judge hands `floor` the problem's dims for the floors that
+    scale with the reduction (`reduction_length`)."""
+
+    profile: str = "highest"
+    backend: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile={self.profile!r} is not supported (valid: {', '.join(PROFILES)})")
+
+    def alpha(self, quantity: str) -> float:
+        return ALPHA[numeric_kind(quantity)]
+
+    def floor(self, dtype: str, quantity: str, dims: Mapping[str, int] | None = None) -> float:
+        return floor(dtype, quantity, self.profile, self.backend, dict(dims) if dims is not None else None)
+
+    def chunk(self, dtype: str, quantity: str) -> float:
+        return chunk_bound(dtype, quantity)
+
+    @property
+    def exact64(self) -> float:
+        return EXACT64

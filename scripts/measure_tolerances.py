@@ -17,9 +17,9 @@ Sections (each names the table or comment it feeds):
   ORDERS    the issue-14 bounds (order errors stored in the fixtures, sqrt(n) floors): the
             worst error / bound of the oracle checks per (kind, dtype), goldens mode, native
             points of the committed fixtures, and which term set that bound.
-  FIXTURE_CHECK  harness/fixtures.py CHECK_RTOL: JAX on the committed fixtures vs their
-            goldens, normwise as `--check` compares, in eps(dtype).
-  MEMORY    tests/test_memory.py (benchmarks/memory_speed.FLOOR_FACTOR): chunk 1's compiled
+  FIXTURE_CHECK  harness/tolerance.py FIXTURE_CHECK_RTOL: JAX on the committed fixtures vs
+            their goldens, normwise as `--check` compares, in eps(dtype).
+  MEMORY    tests/test_memory.py (harness/tolerance.py MEMORY_FLOOR_FACTOR): chunk 1's compiled
             temp memory over its analytic floor (also with the harness.mutations mutant that
             drops the scan's jax.checkpoint, in a child process), native over chunk 1, per-head
             growth over its allowance.
@@ -49,16 +49,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_impl  # noqa: E402
-from harness import checks, platforms, runner, tolerance  # noqa: E402
+from harness import platforms, tolerance  # noqa: E402
 from harness.cases import CASES  # noqa: E402
+from harness.collect import dims, evaluate  # noqa: E402
 from harness.compare import normalised_error, to_numpy  # noqa: E402
-from harness.fixtures import CHECK_RTOL  # noqa: E402
-from harness.matrix import build_matrix, divisors, query_chunk_sizes  # noqa: E402
+from harness.implementations import fixture, outputs  # noqa: E402
+from harness.matrix import Point, build_matrix, divisors, query_chunk_sizes  # noqa: E402
+from harness.outputs import NOT_APPLICABLE  # noqa: E402
+from harness.tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL  # noqa: E402
 
 LOW = ("float32", "bfloat16", "float16")
 DTYPES = (*LOW, "float64")
-KINDS = ("fwd", "loss", "grad")
-# eps(t) as fixtures.CHECK_RTOL counts it (2^-mantissa bits) and ulp(t) at 1.0 as tolerance.py does
+KINDS = ("forward", "loss", "grad")  # harness.tolerance.numeric_kind
+# eps(t) as FIXTURE_CHECK_RTOL counts it (2^-mantissa bits) and ulp(t) at 1.0 as tolerance.py does
 EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 ULP = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 QUICK_CASES = ("tiny", "small", "packed")
@@ -72,21 +75,6 @@ def row(label: str, measured: float, bound: float, unit: str = "") -> str:
 
 def _scale(quantity: str) -> str:
     return "row" if quantity == "index_scores" else "tensor"
-
-
-def _dims(case: str) -> dict:
-    """tolerance.reduction_length's problem sizes of a case (as harness.checks reads them);
-    used here only to say which term set a bound, never to compute one."""
-    c = CASES[case]
-    cfg = c.config
-    return {"B": c.batch, "S": c.seq_len, "W": c.num_blocks, "HI": cfg["index_n_heads"],
-            "DI": cfg["index_head_dim"], "R": cfg["q_lora_rank"], "E": cfg["emb_dim"],
-            "m": cfg["compress_ratio"]}
-
-
-def _golden_name(quantity: str, mode: str) -> str:
-    """The fixture's name of a runner quantity: loss -> loss.<mode>, grad.P -> grad.<mode>.P."""
-    return f"loss.{mode}" if quantity == "loss" else f"grad.{mode}.{quantity[len('grad.'):]}"
 
 
 def _same_sets(a, b) -> bool:
@@ -109,18 +97,18 @@ def _bundle(params, inputs, cfg_dict, dtype, selection):
 def chunk_differences(chunked: dict, native: dict) -> tuple[dict, int]:
     """({kind: worst normalised difference}, queries whose top-k set differs) of one chunked
     bundle against the native one; the own-selection sparse mode is compared only where the
-    two selections agree (as harness.checks does)."""
+    two selections agree (as harness.judge does)."""
     worst = dict.fromkeys(KINDS, 0.0)
     for q in ("compressed_keys", "index_scores"):
         err, _, _ = normalised_error(chunked["forward"][q], native["forward"][q], _scale(q))
-        worst["fwd"] = max(worst["fwd"], err)
+        worst["forward"] = max(worst["forward"], err)
     own, ref = chunked["forward"]["topk_indices"], native["forward"]["topk_indices"]
     flips = int(np.sum(np.any(np.sort(own, -1) != np.sort(ref, -1), axis=-1)))
     modes = ["dense", "sparse_at_selection"] + (["sparse"] if flips == 0 else [])
     for mode in modes:
         for q, value in chunked[mode].items():
             err, _, _ = normalised_error(value, native[mode][q], "tensor")
-            k = tolerance.kind_of(q)
+            k = tolerance.numeric_kind(q)
             worst[k] = max(worst[k], err)
     return worst, flips
 
@@ -191,7 +179,7 @@ def chunk_section(seeds, dtypes=DTYPES) -> None:
                 print(row(f"{dtype} {family}-chunks {kind}", worst[kind], tolerance.CHUNK[dtype][kind]) + unit)
             if flips:
                 print(f"    ({flips} query rows whose top-k set moved: own-selection sparse skipped there)")
-    fx = runner.fixture("small")
+    fx = fixture("small")
     di = fx.config["index_head_dim"]
     print(f"  one-ulp query flips, per-chunk vs all-heads projection (small fixture q_latent @ wq_b):")
     for dtype in ("float32", "bfloat16", "float16"):
@@ -205,22 +193,21 @@ def chunk_section(seeds, dtypes=DTYPES) -> None:
 def floor_section() -> None:
     print("FLOOR (harness/tolerance.py FLOOR float32 loss): small fixture, float32 sparse loss vs the "
           "float64 oracle")
-    ref = runner.reference("small", "live")  # torch now, at every dtype
+    ref = {dt: outputs("torch_ref", "small", Point("small", dt)) for dt in ("float64", "float32")}  # torch now
     oracle = ref["float64"]["loss.sparse"]
     bound = tolerance.FLOOR["float32"]["loss"]
-    jax_out = {m: runner.loss_and_grads("jax", "small", "float32", 0, 0, m)["loss"]
-               for m in ("sparse", "sparse_at_oracle")}
+    jax_out = outputs("jax", "small", Point("small", "float32"))
     errs = {}
     for label, value in (("torch loss.sparse (own top-k)", ref["float32"]["loss.sparse"]),
-                         ("jax   loss.sparse (own top-k)", jax_out["sparse"]),
+                         ("jax   loss.sparse (own top-k)", jax_out["loss.sparse"]),
                          ("torch loss.sparse_at_oracle", ref["float32"]["loss.sparse_at_oracle"]),
-                         ("jax   loss.sparse_at_oracle", jax_out["sparse_at_oracle"])):
+                         ("jax   loss.sparse_at_oracle", jax_out["loss.sparse_at_oracle"])):
         errs[label] = normalised_error(value, oracle)[0]
         print(row(f"float32 {label}", errs[label], bound))
     t, j = errs["torch loss.sparse (own top-k)"], errs["jax   loss.sparse (own top-k)"]
     print(f"    jax / torch = {j / t if t else float('inf'):.1f} (the comment's 'lucky torch draw'); "
           f"stored order error orderr.loss.sparse_at_oracle = "
-          f"{float(runner.fixture('small').goldens['float32']['orderr.loss.sparse_at_oracle']):.3g}")
+          f"{fixture('small').order_errors('float32')['loss.sparse_at_oracle']:.3g}")
 
 
 # --------------------------------------------------------------------------- ORDERS
@@ -235,16 +222,16 @@ def orders_section(cases, dtypes=DTYPES) -> None:
     for entry in build_matrix(cases=cases, dtypes=dtypes, ichunks=[0], tchunks=[0]):
         if entry.kind not in ("forward", "loss", "grad"):
             continue
-        for r in checks.evaluate(entry, "goldens"):
-            if r.check not in ("oracle", "oracle@sel", "exact64", "exact64@sel") or r.not_applicable:
+        for r in evaluate(entry, "goldens"):
+            if r.check not in ("oracle", "oracle@sel", "exact64", "exact64@sel") or r.status == NOT_APPLICABLE:
                 continue
             if r.bound <= 0:  # end to end not comparable (own selection differs by ties): no number
                 continue
             p, q = entry.point, entry.quantity
-            kind = tolerance.kind_of(q)
+            kind = tolerance.numeric_kind(q)
             term = "exact64"
             if p.dtype != "float64":
-                floor = tolerance.floor(p.dtype, q, "highest", backend, _dims(p.case))
+                floor = tolerance.floor(p.dtype, q, "highest", backend, dims(p.case))
                 base = tolerance.FLOOR[p.dtype][kind]
                 t_err = r.stats.get("torch_error", 0.0)
                 if t_err >= floor:
@@ -272,29 +259,28 @@ def orders_section(cases, dtypes=DTYPES) -> None:
 
 def fixture_check_errors(cases, dtype: str) -> dict:
     """{kind: worst normwise error} of JAX (native) against the committed goldens, as
-    harness.fixtures._compare_tensor measures (over the finite entries, relative to the
+    harness.regenerate.compare_tensor measures (over the finite entries, relative to the
     tensor's largest |golden|); own-selection sparse goldens only where JAX picks the same sets."""
     worst = dict.fromkeys(KINDS, 0.0)
     for case in cases:
-        goldens = runner.reference(case, "goldens")[dtype]
-        out = runner.run_point("jax", case, dtype, 0, 0)
-        same = _same_sets(out["forward"]["topk_indices"], goldens["topk_indices"])
-        values = {q: out["forward"][q] for q in ("compressed_keys", "index_scores")}
-        for mode in ("dense", "sparse", "sparse_at_oracle"):
-            if mode == "sparse" and not same:
+        goldens = outputs("goldens", case, Point(case, dtype))
+        out = outputs("jax", case, Point(case, dtype))
+        same = _same_sets(out["topk_indices"], goldens["topk_indices"])
+        for name, value in out.values.items():
+            if name == "topk_indices" or name.startswith("input_grad."):
                 continue
-            for q, v in out[mode].items():
-                if q != "input_grads":
-                    values[_golden_name(q, mode)] = v
-        for name, value in values.items():
-            err, _, _ = normalised_error(value, goldens[name], "tensor")
-            k = tolerance.kind_of(name)
+            if not same and (name == "loss.sparse" or name.startswith("grad.sparse.")):
+                continue
+            # float64 goldens hold no sparse_at_oracle: the oracle's selection is its own
+            golden = name if name in goldens else name.replace("sparse_at_oracle", "sparse", 1)
+            err, _, _ = normalised_error(value, goldens[golden], "tensor")
+            k = tolerance.numeric_kind(name)
             worst[k] = max(worst[k], err)
     return worst
 
 
 def fixture_section(cases, dtypes=DTYPES) -> None:
-    print(f"FIXTURE_CHECK (harness/fixtures.py CHECK_RTOL): JAX (native) on {len(cases)} committed fixtures vs "
+    print(f"FIXTURE_CHECK (harness/tolerance.py FIXTURE_CHECK_RTOL): JAX (native) on {len(cases)} committed fixtures vs "
           "their goldens, normwise")
     for dtype in dtypes:
         worst = fixture_check_errors(cases, dtype)
@@ -343,8 +329,9 @@ def mutant_memory_ratio(name: str) -> float:
 
 
 def memory_section(quick: bool) -> None:
-    from benchmarks.memory_speed import (FLOOR_FACTOR, TEST_BATCH, TEST_SEQ, TEST_SHAPE, analytic_floor,
-                                         compiled_temp_bytes, grows_no_worse_than_linearly)
+    from benchmarks.memory_speed import (TEST_BATCH, TEST_SEQ, TEST_SHAPE, analytic_floor, compiled_temp_bytes,
+                                         grows_no_worse_than_linearly)
+    from harness.tolerance import MEMORY_FLOOR_FACTOR as FLOOR_FACTOR, MEMORY_GROWTH_SLACK
 
     print(f"MEMORY (tests/test_memory.py, compile-only, B={TEST_BATCH} S={TEST_SEQ} "
           f"HI={TEST_SHAPE['index_n_heads']}, float32)")
@@ -367,7 +354,8 @@ def memory_section(quick: bool) -> None:
     points = [(c, compiled_temp_bytes(cfg(c, 1), TEST_BATCH, TEST_SEQ)["temp"],
                analytic_floor(cfg(c, 1), TEST_BATCH, TEST_SEQ)["total"]) for c in (1, 2, 4, 8, 16)]
     _, worst, _ = grows_no_worse_than_linearly(points)
-    print(row("per-head growth / its allowance (slack 1.15)", worst, 1.0, "x") + "  (bound: at most)")
+    print(row(f"per-head growth / its allowance (slack {MEMORY_GROWTH_SLACK:g})", worst, 1.0, "x")
+          + "  (bound: at most)")
 
 
 # --------------------------------------------------------------------------- main

@@ -400,11 +400,13 @@ CLI_CHUNK_ERRORS = [
     (["--ichunks", "16"], f"case 'small': indexer_head_chunk=16 must divide index_n_heads=8 {CHUNK_VALID}"),
     (["--tchunks", "3"], f"case 'small': loss_head_chunk=3 must divide num_query_heads=8 {CHUNK_VALID}"),
     (["--tchunks", "16"], f"case 'small': loss_head_chunk=16 must divide num_query_heads=8 {CHUNK_VALID}"),
+    (["--qchunks", "-1"], "query_chunk=-1 must be an int >= 0 (0 = all rows)"),
 ]
 
 
 @pytest.mark.parametrize("args,message", CLI_CHUNK_ERRORS, ids=["ichunk-negative", "ichunk-too-large",
-                                                                "tchunk-not-divisor", "tchunk-too-large"])
+                                                                "tchunk-not-divisor", "tchunk-too-large",
+                                                                "qchunk-negative"])
 def test_cli_chunk_error(capfd, tmp_path, args, message):
     code, lines = _cli(capfd, ["run", "--cases", "small", "--no-progress", "--out", str(tmp_path), *args])
     _assert_user_error(code, lines, message)
@@ -412,7 +414,7 @@ def test_cli_chunk_error(capfd, tmp_path, args, message):
 
 def test_cli_implementation_without_the_protocol(capfd, tmp_path):
     code, lines = _cli(capfd, ["run", "--impl", "json", "--no-progress", "--out", str(tmp_path)])
-    _assert_user_error(code, lines, "implementation 'json' lacks CSAConfig, indexer_forward, "
+    _assert_user_error(code, lines, "implementation 'json' lacks CSAConfig, indexer_forward or "
                                     "indexer_loss_and_grads (the protocol of docs/API.md")
 
 
@@ -462,7 +464,7 @@ CLI_FIXTURE_ERRORS = [
     (_missing, ["tiny.safetensors is missing: run `python scripts/regenerate_fixtures.py --case tiny"]),
     (_truncated, ["tiny.safetensors is truncated or corrupt (", "restore it with `git checkout --"]),
     (_not_safetensors, ["tiny.safetensors is truncated or corrupt (the header claims"]),
-    (_old_schema, ["tiny.safetensors has schema version '0', this harness reads schema version 1"]),
+    (_old_schema, ["tiny.safetensors has schema version '0', this harness reads schema version 2"]),
     (_missing_tensor, ["tiny.safetensors has no tensor 'golden.float64.loss.dense'"]),
     (_wrong_shape, ["tensor 'hidden_states' is [1, 16, 15] float32, but case 'tiny'",
                     "implies [B, S, emb_dim] = [1, 16, 16] float32"]),

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jax_impl
-from harness.cases import (CASES, CONFIG_FIELDS, INPUT_NAMES, PARAM_NAMES, Case, get_case,
-                           make_inputs)
+from harness.cases import (CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, Case, full_config,
+                           get_case, make_inputs)
 
 REQUIRED = ("tiny", "small", "packed", "ragged", "no_blocks", "topk_wide", "ties", "flash_dims")
 
@@ -26,14 +26,13 @@ def test_config_is_complete_and_validates_on_both_sides(name):
 
     case = CASES[name]
     cfg = case.config_dict()
-    assert list(cfg) == [f for f, _ in CONFIG_FIELDS]
-    assert cfg["indexer_head_chunk"] == 0 and cfg["loss_head_chunk"] == 0
-    assert cfg["sparse_loss"] is False
-    # The fixture's config holds no run-time knob (query_chunk): both sides default it to 0.
+    assert list(cfg) == [f for f, _ in PROBLEM_FIELDS]  # the problem only: no run-time knob
+    assert not set(KNOB_FIELDS) & set(cfg)
     for side in (jax_impl, torch_ref):
-        d = side.CSAConfig.from_dict(cfg).to_dict()
-        assert d.pop("query_chunk") == 0
-        assert d == cfg
+        full = side.CSAConfig.from_dict(cfg).to_dict()  # knobs at their defaults
+        assert {k: full[k] for k in cfg} == cfg
+        assert {k: full[k] for k in KNOB_FIELDS} == {"indexer_head_chunk": 0, "loss_head_chunk": 0,
+                                                     "query_chunk": 0, "sparse_loss": False}
 
 
 def test_case_shapes():
@@ -110,6 +109,11 @@ def test_bad_entries_are_refused():
         get_case("nope")
     with pytest.raises(ValueError, match="missing config field 'emb_dim'"):
         Case("x", {}, batch=1, seq_len=4, seed=0, exercises="-")
+    with pytest.raises(ValueError, match="indexer_head_chunk=2 is a run-time knob, set per matrix point"):
+        full_config(**{**CASES["small"].config, "indexer_head_chunk": 2})
+    with pytest.raises(ValueError, match="query_chunk=5 is a run-time knob, set per matrix point"):
+        full_config(**{**CASES["small"].config, "query_chunk": 5})
+    assert full_config(**{**CASES["small"].config, "sparse_loss": False}) == dict(CASES["small"].config)
     with pytest.raises(ValueError, match="documents must give 1 rows"):
         Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-",
              documents=((3, 3),))

@@ -36,7 +36,11 @@ def test_run_writes_reports_and_passes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tiny" in proc.stdout and "0 failed" in proc.stdout
     data = json.loads((out / "parity.json").read_text())
-    assert data["schema_version"] == 1 and data["reference"] == "live"
+    assert data["schema_version"] == 2 and data["reference"] == "live"
+    statuses = data["summary"]["statuses"]
+    assert list(statuses) == ["passed", "failed", "excused", "not_provided", "not_applicable"]
+    assert sum(statuses.values()) == data["summary"]["checks"] and statuses["failed"] == 0
+    assert {r["status"] for r in data["results"]} <= {"passed", "excused"}
     assert data["platform"]["backend"] == "cpu" and data["platform"]["matmul_precision"] == "highest"
     assert data["summary"]["failed"] == 0 and data["summary"]["checks"] == len(data["results"])
     assert {r["dtype"] for r in data["results"]} == {"float64", "bfloat16"}
@@ -88,3 +92,26 @@ def test_user_errors_exit_2_with_one_line(args, message, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("csa-parity: error: ") and message in lines[0], lines[0]
+
+
+def test_a_plugins_run_arguments_are_checked_without_jax_impl(tmp_path):
+    """The CLI checks chunk sizes by the harness's own rule and loads fixtures by the format's
+    own rules: for a plug-in that is not jax_impl, jax_impl is never imported (the code under
+    test does not validate the fixtures or the plug-in's arguments)."""
+    plugin = tmp_path / "numpy_plugin.py"
+    plugin.write_text("class CSAConfig(dict):\n    from_dict = classmethod(lambda cls, d: cls(d))\n\n"
+                      "def indexer_forward(params, inputs, cfg, dtype):\n    raise NotImplementedError\n")
+    code = ("import sys; from harness import cli; "
+            "args = cli._parser().parse_args(['run', '--impl', 'numpy_plugin', '--cases', 'small', '--ichunks', '2', "
+            "'--qchunks', '5', '--no-progress', '--out', sys.argv[1]]); "
+            "cli._validate_run_args(args); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'jax_impl'); "
+            "assert not bad, f'checking the arguments imported {bad}'; "
+            "args.ichunks = [3]\n"
+            "try:\n    cli._validate_run_args(args)\nexcept ValueError as e:\n    print(e)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "reports")], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("case 'small': indexer_head_chunk=3 must divide index_n_heads=8 "
+                                   "(valid: 0, 1, 2, 4, 8)")

@@ -123,3 +123,11 @@ def test_default_precision_profile_only_raises_float32_floors():
         assert tolerance.floor("float32", q, "highest") <= tolerance.floor("float32", q, "default", "gpu")
     with pytest.raises(ValueError, match="profile='fast' is not supported"):
         tolerance.floor("float32", "loss", "fast")
+
+
+def test_a_check_result_takes_only_the_five_statuses():
+    from harness.compare import CheckResult
+
+    with pytest.raises(ValueError, match=r"^CheckResult status=True is not one of passed, failed, excused, "
+                                         r"not_provided, not_applicable"):
+        CheckResult("oracle", "loss", True, 0.0, 1.0)

@@ -19,23 +19,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.cases import CASES
+from harness.cases import CASES, KNOB_FIELDS
 from harness.fixtures import (
-    CHECK_RTOL,
     FIXTURES_DIR,
     GOLDEN_DTYPES,
     LOW_DTYPES,
     MANIFEST_NAME,
+    SCHEMA_VERSION,
     FixtureError,
     load_case,
     read_manifest,
     read_safetensors,
-    regenerate,
     sha256_of,
     tensor_schema,
     write_manifest,
     write_safetensors,
 )
+from harness.regenerate import regenerate
+from harness.tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -181,8 +182,10 @@ def test_manifest_and_metadata(fixtures):
         entry = manifest["cases"][name]
         assert entry["sha256"] == sha256_of(data) and entry["bytes"] == len(data)
         assert entry["config"] == CASES[name].config_dict()
+        assert not set(KNOB_FIELDS) & set(entry["config"]), "run-time knobs are not part of a fixture"
         md = fx.metadata
-        assert md["schema_version"] == "1" and md["case"] == name
+        assert md["schema_version"] == str(SCHEMA_VERSION) and md["case"] == name
+        assert not set(KNOB_FIELDS) & set(json.loads(md["config"]))
         assert json.loads(md["config"]) == CASES[name].config_dict()
         assert md["seed"] == str(CASES[name].seed)
         assert {"torch_version", "numpy_version", "csa_parity_version"} <= set(md)
@@ -190,9 +193,10 @@ def test_manifest_and_metadata(fixtures):
     assert total < 30 * 2**20
 
 
-def test_loading_needs_no_torch():
+def test_loading_needs_neither_torch_nor_the_code_under_test():
     code = ("import sys; from harness.fixtures import load_case; load_case('small'); "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_ref', 'jax', 'jax_impl')); "
+            "assert not bad, f'loading a fixture imported {bad}'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -267,14 +271,14 @@ def test_error_corrupt_header(copy_dir):
 def test_error_schema_version(copy_dir):
     _rewrite(copy_dir / "tiny.safetensors", metadata={"schema_version": "0"})
     msg = _load_error(copy_dir)
-    assert "tiny.safetensors has schema version '0', this harness reads schema version 1: " \
+    assert f"tiny.safetensors has schema version '0', this harness reads schema version {SCHEMA_VERSION}: " \
            "regenerate it with `python scripts/regenerate_fixtures.py --case tiny" in msg
 
 
 def test_error_missing_tensor(copy_dir):
     _rewrite(copy_dir / "tiny.safetensors", drop=["golden.float32.loss.dense"])
     msg = _load_error(copy_dir)
-    assert "tiny.safetensors has no tensor 'golden.float32.loss.dense' (schema version 1 " \
+    assert f"tiny.safetensors has no tensor 'golden.float32.loss.dense' (schema version {SCHEMA_VERSION} " \
            "needs it): regenerate it with" in msg
 
 
@@ -315,6 +319,10 @@ def test_error_config_no_longer_validates(copy_dir):
     cfg = {**CASES["tiny"].config_dict(), "window": 4}
     _rewrite(copy_dir / "tiny.safetensors", metadata={"config": json.dumps(cfg)})
     assert "its config no longer validates: unknown config field 'window'" in _load_error(copy_dir)
+    cfg = {**CASES["tiny"].config_dict(), "indexer_head_chunk": 1}
+    _rewrite(copy_dir / "tiny.safetensors", metadata={"config": json.dumps(cfg)})
+    assert ("its config no longer validates: config field 'indexer_head_chunk' is a run-time knob, not "
+            "part of a fixture" in _load_error(copy_dir))
 
 
 def test_error_config_differs_from_catalogue(copy_dir):
@@ -512,7 +520,7 @@ def test_order_errors_bound_the_stored_goldens_own_error(fixtures):
 
 
 def test_evaluation_orders_start_with_the_stored_order_and_are_distinct():
-    from harness.fixtures import ORDER_COUNT, evaluation_orders
+    from harness.regenerate import ORDER_COUNT, evaluation_orders
 
     orders = evaluation_orders(2, 8, 8)
     assert len(orders) == ORDER_COUNT
@@ -524,7 +532,9 @@ def test_evaluation_orders_start_with_the_stored_order_and_are_distinct():
 
 
 def test_check_flags_an_order_error_that_moved_more_than_the_factor():
-    from harness.fixtures import ORDERR_CHECK_FACTOR, RawTensor, compare_tensor
+    from harness.fixtures import RawTensor
+    from harness.regenerate import compare_tensor
+    from harness.tolerance import ORDERR_CHECK_FACTOR
 
     def t(x):
         return RawTensor("F64", (), np.float64(x).tobytes())

@@ -1,6 +1,8 @@
 """Import independence: jax_impl never sees torch, torch_ref never sees JAX; only the
 harness sees both. Checked statically (every import statement of every module) and
-dynamically (a fresh interpreter imports one side and must not have loaded the other)."""
+dynamically (a fresh interpreter imports one side and must not have loaded the other).
+Inside the harness (issue 10): the judge imports no runner, fixture or framework module,
+and the fixture format neither torch nor the code under test."""
 
 from __future__ import annotations
 
@@ -94,3 +96,118 @@ def test_the_private_import_check_sees_one(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from jax_impl.api import _loss_core\nfrom .api import forward_parts, _prepare\nimport numpy as np\n")
     assert len(_private_imports(bad)) == 2
+# --------------------------------------------------------------------------- inside the harness
+# Data flows one way: fixtures -> implementations -> outputs -> judge -> report. The judging
+# modules see arrays only: no runner, no fixture code, no framework. The fixture format sees
+# files only: no torch and no code under test.
+
+FRAMEWORKS = {"jax", "jaxlib", "flax", "torch", "torch_ref", "jax_impl"}
+HARNESS_RULES = {
+    # the judge and everything it pulls in: arrays only (harness.collect is the runner: it
+    # drives the implementations; the old harness.runner / harness.checks are gone)
+    "harness.judge": FRAMEWORKS | {"harness.implementations", "harness.collect", "harness.fixtures",
+                                   "harness.regenerate", "harness.cli", "harness.mutations",
+                                   "harness.mutation_worker", "harness.runner", "harness.checks",
+                                   "harness.random_configs"},
+    "harness.fixtures": {"torch", "torch_ref", "jax", "jaxlib", "flax", "jax_impl", "harness.implementations",
+                         "harness.regenerate", "harness.collect"},
+}
+
+
+def _top_level(tree: ast.Module):
+    """The statements that run when the module is imported (not function or class bodies' calls:
+    module level, and inside top-level if / try / with blocks)."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt):
+                todo.append(child)
+
+
+def _imported_modules(path: Path, package: str, top_level_only: bool = False) -> set[str]:
+    """Absolute names of every module a file imports (relative imports resolved in `package`);
+    with `top_level_only`, only the imports that run when the file is imported."""
+    out = set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in (_top_level(tree) if top_level_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            out.add(base)
+            out |= {f"{base}.{alias.name}" for alias in node.names}  # `from . import x` imports x
+    return out
+
+
+def _forbidden(names: set[str], forbidden: set[str]) -> list[str]:
+    return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
+
+
+def _scan(name: str, root: str) -> set[str]:
+    """The imports of harness module `name` that count for `root`'s layer: all of the root's own
+    (any function of it may run), the import-time ones of a module it pulls in (what loading the
+    root loads: harness.platforms asks JAX for the current backend only inside the function
+    harness.collect calls, never at import)."""
+    path = ROOT / (name.replace(".", "/") + ".py")
+    if not path.exists():
+        return set()
+    return _imported_modules(path, "harness", top_level_only=name != root)
+
+
+def _harness_closure(module: str) -> set[str]:
+    """Every harness module `module` imports, directly or through other harness modules."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [m for m in _scan(name, module) if m.startswith("harness.")]
+    return seen
+
+
+@pytest.mark.parametrize("module", sorted(HARNESS_RULES))
+def test_harness_layers_statically(module):
+    """The module and every harness module it pulls in import nothing their layer forbids."""
+    offenders = {}
+    for name in sorted(_harness_closure(module)):
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if path.exists():
+            bad = _forbidden(_scan(name, module) | {name}, HARNESS_RULES[module])
+            if bad:
+                offenders[name] = bad
+    assert not offenders, f"{module} must not depend on {sorted(HARNESS_RULES[module])}: {offenders}"
+
+
+@pytest.mark.parametrize("module", sorted(HARNESS_RULES))
+def test_harness_layers_in_a_fresh_interpreter(module):
+    forbidden = sorted(HARNESS_RULES[module])
+    code = (f"import sys, {module}; bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
+            f"for f in {forbidden!r})); print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing {module} loaded {out.stdout.strip()}"
+
+
+def test_the_harness_scanner_separates_import_time_from_call_time(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("import numpy\ntry:\n    import ml_dtypes\nexcept ImportError:\n    pass\n"
+                    "def backend():\n    import jax\n    return jax.default_backend()\n")
+    assert {"numpy", "ml_dtypes"} <= _imported_modules(lazy, "harness", top_level_only=True)
+    assert "jax" not in _imported_modules(lazy, "harness", top_level_only=True)
+    assert "jax" in _imported_modules(lazy, "harness")
+
+
+def test_the_harness_scanner_resolves_relative_imports(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from . import fixtures\nfrom .implementations import outputs\nimport jax.numpy\n")
+    names = _imported_modules(bad, "harness")
+    assert _forbidden(names, HARNESS_RULES["harness.judge"]) == [
+        "harness.fixtures", "harness.implementations", "harness.implementations.outputs", "jax.numpy"]

@@ -1,6 +1,12 @@
 """The parity matrix (issue 4): one test per entry of harness.matrix, ids like
 `small-bfloat16-ichunk2-tchunk0-sparse-grad.indexer.wq_b`.
 
+One pass from the id to the arrays: `collect` runs the implementation and the reference
+at the entry's point (harness.implementations, cached per process), `judge` compares the
+arrays it is handed (harness.judge). Failed fails the test; passed and excused pass;
+an entry wholly not provided or not applicable skips with its reason (pytest counts and
+lists it: never passed, never silently dropped).
+
 Slices: `-m forward|topk|loss|grad|isolation|chunked`, `-k small-bfloat16`.
 Entries of one (case, dtype) share an xdist group, so each worker compiles a
 point once and computes the torch reference for a case once.
@@ -16,15 +22,17 @@ import os
 
 import pytest
 
-from harness.checks import evaluate
+from harness.collect import collect, policy
+from harness.judge import judge
 from harness.matrix import build_matrix
+from harness.outputs import NOT_APPLICABLE, NOT_PROVIDED
 
 REFERENCE = os.environ.get("CSA_PARITY_REFERENCE", "live")
 PROFILE = os.environ.get("CSA_PARITY_PRECISION", "highest")  # conftest sets JAX's matmul precision to match
 
 
 def _param(entry):
-    marks = [pytest.mark.matrix, pytest.mark.xdist_group(entry.point.group), getattr(pytest.mark, entry.kind)]
+    marks = [pytest.mark.matrix, pytest.mark.xdist_group(entry.group), getattr(pytest.mark, entry.kind)]
     if entry.point.chunked:
         marks.append(pytest.mark.chunked)
     return pytest.param(entry, id=entry.id, marks=marks)
@@ -32,10 +40,10 @@ def _param(entry):
 
 @pytest.mark.parametrize("entry", [_param(e) for e in build_matrix()])
 def test_parity(entry):
-    results = evaluate(entry, REFERENCE, PROFILE)
-    # A point this backend cannot compute (harness.platforms) is skipped WITH its reason, so
-    # pytest counts and lists it: never passed, never silently dropped.
-    if results and all(r.status == "not_applicable" for r in results):
-        pytest.skip(results[0].message)
-    failures = [r.message for r in results if r.status == "failed"]
+    outputs, references = collect(entry, REFERENCE)
+    results = judge(entry, outputs, references, policy(PROFILE))
+    failures = [r.message for r in results if r.failed]
     assert not failures, "\n".join(failures)
+    unjudged = [r.message for r in results if r.status in (NOT_PROVIDED, NOT_APPLICABLE)]
+    if unjudged and len(unjudged) == len(results):
+        pytest.skip("; ".join(unjudged))

@@ -1,5 +1,5 @@
 """Platform capabilities as data (issue 14): harness/platforms.py, the `not applicable` status
-in checks and reports, and the per-backend `default` tolerance profile. No torch needed."""
+in collect, judge and reports, and the per-backend `default` tolerance profile. No torch needed."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import checks, platforms, report, runner, tolerance
-from harness.compare import CheckResult
+from harness import collect, implementations, platforms, report, tolerance
+from harness.compare import CheckResult, status_result
 from harness.matrix import DTYPES, build_matrix
+from harness.outputs import NOT_APPLICABLE, PASSED
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,14 +46,14 @@ def test_not_applicable_is_a_pure_function_of_its_arguments():
 def test_on_tpu_exactly_the_float64_points_are_not_applicable(monkeypatch):
     """The selection with the backend reported as tpu: every float64 entry of the default
     matrix, and nothing else, comes back `not_applicable` with the reason, without running
-    anything (the runner would fail if asked)."""
+    anything (the implementations would fail if asked)."""
     monkeypatch.setattr(platforms, "current_backend", lambda: "tpu")
 
     def no_run(*args, **kwargs):
         raise AssertionError("a not-applicable point must not run")
 
-    for name in ("reference", "run_point", "forward", "loss_and_grads"):
-        monkeypatch.setattr(runner, name, no_run)
+    monkeypatch.setattr(collect, "outputs", no_run)
+    monkeypatch.setattr(implementations, "outputs", no_run)
     entries = build_matrix()
     expected = {e.id for e in entries if e.point.dtype == "float64"}
     chosen = platforms.selection(entries, platforms.current_backend())
@@ -62,13 +63,13 @@ def test_on_tpu_exactly_the_float64_points_are_not_applicable(monkeypatch):
     for e in entries:
         if e.point.dtype != "float64":
             continue
-        (r,) = checks.evaluate(e, "goldens")
-        assert r.status == "not_applicable" and not r.passed
+        (r,) = collect.evaluate(e, "goldens")
+        assert r.status == NOT_APPLICABLE and not r.passed and not r.failed
         assert r.message.endswith("not applicable on tpu: " + platforms.PLATFORMS["tpu"].float64)
-    # A float32 point is not excused: it reaches the runner.
+    # A float32 point is not excused: it reaches the implementations.
     f32 = next(e for e in entries if e.point.dtype == "float32")
     with pytest.raises(AssertionError, match="must not run"):
-        checks.evaluate(f32, "goldens")
+        collect.evaluate(f32, "goldens")
 
 
 def test_reports_count_and_list_not_applicable_apart_from_passed_and_failed(tmp_path):
@@ -78,12 +79,13 @@ def test_reports_count_and_list_not_applicable_apart_from_passed_and_failed(tmp_
     records = []
     for e in entries:
         if e.point.dtype == "float64":
-            r = CheckResult("not_applicable", e.quantity, False, 0.0, 0.0, note=label, not_applicable=label)
+            r = status_result("oracle", e.quantity, NOT_APPLICABLE, label)
         else:
-            r = CheckResult("oracle", e.quantity, True, 0.6, 1.0)
+            r = CheckResult("oracle", e.quantity, PASSED, 0.6, 1.0)
         records.append(report.record(e, r))
     summary = report.summarise(records)
     assert summary["failed"] == 0 and summary["not_applicable"] == 2
+    assert summary["statuses"] == {"passed": 2, "failed": 0, "excused": 0, "not_provided": 0, "not_applicable": 2}
     assert summary["not_applicable_reasons"] == {label: 2}
     assert "float64" not in summary["worst_ratio_by_dtype"]
     assert summary["headroom"]["above_half"] == 2
@@ -109,7 +111,7 @@ def test_reduction_floors_grow_as_sqrt_n_unit_roundoffs():
     u = 2.0**-24
     tiny = {"B": 1, "S": 16, "W": 4, "HI": 2, "DI": 8, "R": 16, "E": 16, "m": 4}
     small = {"B": 2, "S": 64, "W": 16, "HI": 8, "DI": 32, "R": 32, "E": 64, "m": 4}
-    assert checks._dims("tiny") == tiny and checks._dims("small") == small
+    assert collect.dims("tiny") == tiny and collect.dims("small") == small
     assert tolerance.floor("float32", "grad.indexer.wkv", dims=tiny) == 8 * u  # sqrt(1*16*4)
     assert tolerance.floor("float32", "grad.indexer.wkv", dims=small) == pytest.approx(2048**0.5 * u)
     assert tolerance.floor("float32", "index_scores", dims=tiny) == pytest.approx(48**0.5 * u)  # 2*8 + 16 + 16

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from harness.cases import CONFIG_FIELDS  # noqa: E402
+from harness.matrix import divisors  # noqa: E402  (the harness's one divisor rule)
 from harness.random_configs import PINNED, Problem, check_problem  # noqa: E402
 
 CI_EXAMPLES = 12
@@ -44,10 +45,6 @@ settings.register_profile("ci", max_examples=CI_EXAMPLES // 2, derandomize=True,
 settings.register_profile("nightly", max_examples=NIGHTLY_EXAMPLES // 2, derandomize=False, **_COMMON)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @st.composite
@@ -152,7 +149,7 @@ def test_the_reproducer_reports_a_failure(monkeypatch):
 
     def broken(check, quantity, x, ref, bound, *a, **k):
         r = real(check, quantity, x, ref, bound, *a, **k)
-        return r if quantity != "loss" else type(r)(r.check, r.quantity, False, 1.0, bound)
+        return r if quantity != "loss" else type(r)(r.check, r.quantity, "failed", 1.0, bound)
 
     monkeypatch.setattr(rc, "compare_close", broken)
     report = check_problem(PINNED["no_blocks"])

@@ -1,0 +1,184 @@
+"""Judging one matrix entry (SPEC section 10): pure functions over arrays they are handed.
+
+    judge(entry, outputs, references, policy) -> [CheckResult]
+
+`outputs` is the candidate's `Outputs` at the entry's point, `references` the oracle,
+the reference at the entry's dtype and (chunked points) the candidate's own native
+outputs, with the reference's stored order errors and the problem's sizes
+(harness.outputs.References), `policy` the tolerance policy (harness.tolerance.Policy:
+profile and backend). This module imports no runner, no fixture code and no framework:
+whatever produced the arrays, the same rules judge them.
+
+For an entry (case, dtype t, chunks, mode, quantity) of implementation X:
+  oracle     X@t vs the float64 oracle: <= alpha * max(err(reference@t), floor[t]), where
+             err(reference@t) is at least the stored order error (issue 14) and the floor
+             at least sqrt(n) unit roundoffs of the problem's reduction length;
+             for t = float64 the check is `exact64` instead (bound EXACT64).
+  chunk      X@t chunked (head chunks, query chunks) vs X@t native (a sharded point: vs the
+             same knobs on one device):
+             the tight CHUNK bound, whenever `references.native` is given.
+  topk       sets per query vs the oracle's, boundary ties excused within the score bound.
+  isolation  d loss / d inputs exactly 0.
+Sparse mode depends on a discrete selection, so every sparse quantity is judged twice:
+  oracle@sel  X and the reference@t both given the oracle's selection (variant
+              `sparse_at_oracle`): the pure math check.
+  oracle      end to end with X's own selection: compared when X picks the oracle's sets;
+              excused when they differ only by boundary ties (oracle@sel still judges
+              the numbers); failed on any other difference.
+  chunk@sel / chunk  the same two against X's native run.
+A quantity the candidate does not provide gives `not_provided`; a point it cannot run
+where it ran (Outputs.not_applicable) gives `not_applicable`. Only passed, failed and
+excused come from comparing numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .compare import CheckResult, compare_close, exactly_zero, normalised_error, oracle_relative, status_result, topk_sets
+from .outputs import (EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, Outputs, References, output_name)
+from .tolerance import Policy
+
+
+def _scale(quantity: str) -> str:
+    return "row" if quantity == "index_scores" else "tensor"
+
+
+def score_tolerance(oracle_scores, scores_at_dtype, dtype: str, policy: Policy = Policy(),
+                    order_error: float | None = None, dims=None) -> np.ndarray:
+    """Absolute score tolerance per query [B, S] for the top-k tie rule: the index_scores
+    bound (the reference's error at `dtype`, at least its order error and the floor for a
+    problem of `dims`) times the row's largest |oracle score| (the bound is normalised per row)."""
+    oracle_scores = np.asarray(oracle_scores, np.float64)
+    if dtype == "float64":
+        bound = policy.exact64
+    else:
+        t_err, _, _ = normalised_error(scores_at_dtype, oracle_scores, "row")
+        if order_error is not None:
+            t_err = max(t_err, float(order_error))
+        bound = policy.alpha("index_scores") * max(t_err, policy.floor(dtype, "index_scores", dims))
+    finite = np.where(np.isfinite(oracle_scores), np.abs(oracle_scores), 0.0)
+    return bound * (finite.max(axis=-1) if oracle_scores.shape[-1] else np.zeros(oracle_scores.shape[:-1]))
+
+
+def _missing(outputs: Outputs, names, check: str, quantity: str) -> CheckResult | None:
+    """A not_provided result if the candidate lacks any of `names`."""
+    for name in names:
+        if name not in outputs:
+            return status_result(check, quantity, NOT_PROVIDED, outputs.why_missing(name))
+    return None
+
+
+def _versus_oracle(quantity, name, candidate, refs: References, oracle_name, baseline_name, dtype, policy,
+                   sel: bool = False) -> CheckResult:
+    """The oracle rule for canonical `name`: against the oracle's `oracle_name`, with the
+    reference's `baseline_name` at the same dtype (and its stored order error) as the baseline."""
+    oracle = refs.oracle[oracle_name]
+    if dtype == "float64":
+        return compare_close("exact64@sel" if sel else "exact64", quantity, candidate, oracle, policy.exact64,
+                             _scale(name))
+    return oracle_relative(quantity, candidate, oracle, refs.at_dtype[baseline_name], policy.alpha(name),
+                           policy.floor(dtype, name, refs.dims), _scale(name), check="oracle@sel" if sel else "oracle",
+                           order_error=refs.order_errors.get(baseline_name))
+
+
+def _topk(outputs: Outputs, refs: References, dtype: str, policy: Policy, check: str = "topk",
+          quantity: str = "topk_indices", against: Outputs | None = None) -> CheckResult:
+    """The candidate's picks against the oracle's (or `against`'s), tie-aware."""
+    oracle = refs.oracle
+    tol = score_tolerance(oracle["index_scores"], refs.at_dtype["index_scores"], dtype, policy,
+                          refs.order_errors.get("index_scores"), refs.dims)
+    reference = (against or oracle)["topk_indices"]
+    return topk_sets(quantity, outputs["topk_indices"], reference, oracle["index_scores"], tol, check=check)
+
+
+def _forward(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
+    p, q = entry.point, entry.quantity
+    miss = _missing(outputs, [q], "topk" if q == "topk_indices" else "oracle", q)
+    if miss:
+        return [miss]
+    if q == "topk_indices":
+        out = [_topk(outputs, refs, p.dtype, policy)]
+        if refs.native is not None:
+            out.append(_topk(outputs, refs, p.dtype, policy, check="chunk-topk", against=refs.native))
+        return out
+    out = [_versus_oracle(q, q, outputs[q], refs, q, q, p.dtype, policy)]
+    if refs.native is not None:
+        out.append(compare_close("chunk", q, outputs[q], refs.native[q], policy.chunk(p.dtype, q), _scale(q)))
+    return out
+
+
+def _isolation(entry, outputs: Outputs) -> list[CheckResult]:
+    prefix = f"input_grad.{entry.mode}."
+    grads = {n[len(prefix):]: v for n, v in outputs.values.items() if n.startswith(prefix)}
+    if not grads:
+        return [status_result("isolation", entry.quantity, NOT_PROVIDED, outputs.why_missing(prefix))]
+    return [exactly_zero(entry.quantity, grads)]
+
+
+def _dense(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
+    p, q = entry.point, entry.quantity
+    name = output_name(q, "dense")
+    miss = _missing(outputs, [name], "oracle", q)
+    if miss:
+        return [miss]
+    out = [_versus_oracle(q, name, outputs[name], refs, name, name, p.dtype, policy)]
+    if refs.native is not None:
+        out.append(compare_close("chunk", q, outputs[name], refs.native[name], policy.chunk(p.dtype, name)))
+    return out
+
+
+def _sparse(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
+    p, q = entry.point, entry.quantity
+    own, at_sel = output_name(q, "sparse"), output_name(q, "sparse_at_oracle")
+    bound = policy.chunk(p.dtype, own)
+    out = []
+    # 1. on the oracle's selection: the numbers, whatever the candidate picks. The oracle's
+    #    value is its own sparse run (its selection is the selection).
+    miss = _missing(outputs, [at_sel], "oracle@sel", q)
+    if miss:
+        out.append(miss)
+    else:
+        out.append(_versus_oracle(q, at_sel, outputs[at_sel], refs, own, at_sel, p.dtype, policy, sel=True))
+        if refs.native is not None:
+            out.append(compare_close("chunk@sel", q, outputs[at_sel], refs.native[at_sel], bound))
+    # 2. end to end on the candidate's own selection, when it is the oracle's.
+    miss = _missing(outputs, [own, "topk_indices"], "oracle", q)
+    if miss:
+        return out + [miss]
+    agreement = _topk(outputs, refs, p.dtype, policy, check="oracle", quantity=q)
+    if agreement.status == FAILED:
+        out.append(agreement)
+    elif agreement.status == EXCUSED:
+        n = agreement.stats["excused"]
+        out.append(status_result("oracle", q, EXCUSED,
+                                 f"end-to-end not comparable: own selection differs from the oracle's by {n} "
+                                 "boundary ties (excused); judged by oracle@sel", excused=n))
+    else:
+        out.append(_versus_oracle(q, own, outputs[own], refs, own, at_sel, p.dtype, policy))
+    if refs.native is not None:
+        native = refs.native
+        if np.array_equal(np.sort(native["topk_indices"], -1), np.sort(outputs["topk_indices"], -1)):
+            out.append(compare_close("chunk", q, outputs[own], native[own], bound))
+        else:
+            out.append(status_result("chunk", q, EXCUSED,
+                                     "end-to-end not comparable: chunked and native select differently "
+                                     "(judged by chunk-topk and chunk@sel)"))
+    return out
+
+
+def judge(entry, outputs: Outputs, references: References, policy: Policy = Policy()) -> list[CheckResult]:
+    """Every check of one entry, each carrying the entry's label as context."""
+    if outputs.not_applicable:
+        results = [status_result("-", entry.quantity, NOT_APPLICABLE, outputs.not_applicable)]
+    elif entry.mode == "forward":
+        results = _forward(entry, outputs, references, policy)
+    elif entry.quantity == "input_grads":
+        results = _isolation(entry, outputs)
+    elif entry.mode == "dense":
+        results = _dense(entry, outputs, references, policy)
+    elif entry.mode == "sparse":
+        results = _sparse(entry, outputs, references, policy)
+    else:
+        raise ValueError(f"mode={entry.mode!r} is not one of forward, dense, sparse")
+    return [r.with_context(entry.label) for r in results]

@@ -1,0 +1,146 @@
+"""The one vocabulary: canonical quantity names, the `Outputs` every implementation
+returns, and the five statuses a check can end in.
+
+Canonical names (the keys of `Outputs.values`, of the fixture goldens, of everything
+between an implementation and the judge):
+
+    compressed_keys, index_scores, topk_indices          the forward quantities
+    loss.<variant>                                       the scalar loss
+    grad.<variant>.<param>                               d loss / d parameter
+    input_grad.<variant>.<input>                         d loss / d input (must be exactly 0)
+
+`<variant>` is one of LOSS_VARIANTS: `dense`, `sparse` (on the implementation's own
+top-k) and `sparse_at_oracle` (sparse, given the float64 oracle's top-k as `selection`,
+docs/API.md). A matrix entry's `mode` is one of MODES (`forward`, `dense`, `sparse`);
+a `sparse` entry is judged on both sparse variants. Nothing else is called a mode.
+
+Pure data: no numpy computation, no framework, no fixture I/O (the judge imports this).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Mapping
+
+import numpy as np
+
+INPUT_NAMES = ("hidden_states", "q_latent", "position_ids", "segment_ids", "teacher_query", "teacher_kv")
+PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm", "indexer.wq_b",
+               "indexer.weights_proj")
+FLOAT_INPUT_NAMES = ("hidden_states", "q_latent", "teacher_query", "teacher_kv")
+
+FORWARD_QUANTITIES = ("compressed_keys", "index_scores", "topk_indices")
+# The matrix's loss quantities (mode-free); `output_name` adds the variant.
+LOSS_QUANTITIES = ("loss", *(f"grad.{p}" for p in PARAM_NAMES), "input_grads")
+MODES = ("forward", "dense", "sparse")
+LOSS_VARIANTS = ("dense", "sparse", "sparse_at_oracle")
+
+# What a check can end in. Only the first three come from comparing numbers.
+PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE = (
+    "passed", "failed", "excused", "not_provided", "not_applicable")
+STATUSES = (PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE)
+
+# The kind of a quantity: which rule and which tolerance row judge it (harness.tolerance
+# keys its tables by the numeric kinds forward / loss / grad). Also the pytest marker.
+KINDS = ("forward", "topk", "loss", "grad", "isolation")
+
+
+def kind_of(quantity: str) -> str:
+    """forward | topk | loss | grad | isolation, for a matrix quantity or a canonical name."""
+    if quantity == "topk_indices":
+        return "topk"
+    if quantity in ("compressed_keys", "index_scores"):
+        return "forward"
+    if quantity == "input_grads" or quantity.startswith("input_grad."):
+        return "isolation"
+    if quantity == "loss" or quantity.startswith("loss."):
+        return "loss"
+    if quantity.startswith("grad."):
+        return "grad"
+    raise KeyError(f"unknown quantity {quantity!r}")
+
+
+def output_name(quantity: str, variant: str) -> str:
+    """The canonical name of a matrix quantity under a loss variant:
+    ("grad.indexer.wq_b", "sparse") -> "grad.sparse.indexer.wq_b"; forward names unchanged."""
+    if quantity in FORWARD_QUANTITIES:
+        return quantity
+    if variant not in LOSS_VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of {', '.join(LOSS_VARIANTS)}")
+    if quantity == "loss":
+        return f"loss.{variant}"
+    if quantity.startswith("grad."):
+        return f"grad.{variant}.{quantity[len('grad.'):]}"
+    raise KeyError(f"{quantity!r} has no single canonical name (input_grads: input_grad_names)")
+
+
+def input_grad_names(variant: str) -> tuple[str, ...]:
+    return tuple(f"input_grad.{variant}.{n}" for n in FLOAT_INPUT_NAMES)
+
+
+def all_names(variants=LOSS_VARIANTS, input_grads: bool = True) -> tuple[str, ...]:
+    """Every canonical name an implementation can provide, in a stable order."""
+    out = list(FORWARD_QUANTITIES)
+    for v in variants:
+        out += [output_name("loss", v), *(output_name(f"grad.{p}", v) for p in PARAM_NAMES)]
+        if input_grads:
+            out += input_grad_names(v)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """What one implementation produced at one point: canonical name -> host numpy array.
+
+    A name absent from `values` is not provided; `missing` may say why (name or a prefix
+    such as "grad." -> reason). `not_applicable`, when set, says why the whole point cannot
+    be computed where this ran (e.g. "not applicable on tpu: float64"); `values` is empty
+    then. `source` names who produced it, e.g. "jax", "torch_ref@bfloat16", "goldens@float64".
+    """
+
+    source: str
+    values: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    not_applicable: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
+        object.__setattr__(self, "missing", MappingProxyType(dict(self.missing)))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.values
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.values[name]
+
+    def why_missing(self, name: str) -> str:
+        """The reason `name` is not provided (the longest matching prefix in `missing`)."""
+        if self.not_applicable:
+            return self.not_applicable
+        best = max((k for k in self.missing if name.startswith(k)), key=len, default=None)
+        if best is not None:
+            return self.missing[best]
+        return f"{self.source} does not provide {name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class References:
+    """What a candidate's outputs are judged against at one point.
+
+    oracle:   the reference implementation in float64 (live torch_ref or the goldens);
+    at_dtype: the same reference at the entry's dtype (its own precision noise: the
+              baseline of the oracle rule; equal to `oracle` for float64);
+    native:   the candidate implementation itself, unchunked, at the same dtype (only
+              for chunked points: the `chunk` checks).
+    """
+
+    oracle: Outputs
+    at_dtype: Outputs
+    native: Outputs | None = None
+    # issue 14: the reference's worst error at the entry's dtype over K evaluation orders, per
+    # canonical name (stored in the fixture; empty when unknown), and the problem's sizes
+    # {B, S, W, HI, DI, R, E, m} that the floors scaling with the reduction read
+    # (harness.tolerance.reduction_length; None: no such floor).
+    order_errors: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    dims: Mapping[str, int] | None = None

@@ -1,0 +1,398 @@
+"""Regenerating the fixtures, and `--check`ing the committed ones (SPEC section 9).
+
+The work, beside the format (harness.fixtures): a case's inputs and parameters come
+from the catalogue (`harness.cases.make_inputs`, numpy only); its goldens are the outputs
+of the torch reference, driven through the implementation protocol like every other
+side (`harness.implementations.TorchReference`): the float64 oracle first, then each
+low dtype given the oracle's top-k for the sparse_at_oracle variant. `--check`
+regenerates in memory and compares with the committed files: inputs and parameters
+bit for bit, goldens within harness.tolerance.FIXTURE_CHECK_RTOL, top-k picks by the
+project's one tie rule (harness.compare.topk_sets).
+
+    python scripts/regenerate_fixtures.py [--case NAME] [--check] [--fixtures-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, TextIO
+
+import numpy as np
+
+from .cases import CASES, Case, make_inputs
+from .compare import topk_sets
+from .compare import normalised_error
+from .fixtures import (FIXTURES_DIR, GOLDEN_DTYPES, LOW_DTYPES, MANIFEST_NAME, ORDERR_QUANTITIES, REPO_ROOT,
+                       VERSION_KEYS, CorruptFile, FixtureError, RawTensor, atomic_write, case_metadata, display_path,
+                       fix_command, manifest_entry, read_manifest, read_safetensors, sha256_of, tensor_schema,
+                       write_manifest, write_safetensors)
+from .implementations import Problem, TorchReference
+from .matrix import Point
+from .outputs import PARAM_NAMES
+from .tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL, ORDERR_CHECK_FACTOR
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        own = version("csa-parity")
+    except Exception:  # not installed: read the source tree's pyproject
+        own = "unknown"
+        try:
+            import tomllib
+
+            with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+                own = tomllib.load(f)["project"]["version"]
+        except Exception:
+            pass
+    return {"torch_version": torch.__version__, "numpy_version": np.__version__,
+            "csa_parity_version": own}
+
+
+
+
+def golden_tensors(problem: Problem) -> dict[str, np.ndarray]:
+    """Every `golden.<dtype>.<name>` of a problem: the torch reference's outputs, the float64
+    oracle first (its top-k is the selection of the low dtypes' sparse_at_oracle variant)."""
+    torch_ref = TorchReference()
+    oracle = torch_ref.run(problem, Point(problem.name, "float64"))
+    problem = Problem(problem.name, problem.config, problem.inputs, problem.params, oracle["topk_indices"])
+    tensors: dict[str, np.ndarray] = {}
+    for dt in GOLDEN_DTYPES:
+        out = oracle if dt == "float64" else torch_ref.run(problem, Point(problem.name, dt))
+        tensors.update({f"golden.{dt}.{name}": value for name, value in out.values.items()})
+    return tensors
+
+
+# --------------------------------------------------------------------------- order errors (issue 14)
+# The reference's own error at dtype t, err(torch@t) vs the float64 oracle, is ONE draw of its
+# rounding: a lucky evaluation order can make it far smaller than an equally good
+# implementation's, and the SPEC section 10 bound alpha * err(torch@t) then becomes
+# unattainable. So the reference is also evaluated in K equivalent orders: the index heads,
+# the teacher heads and the batch rows permuted. Each permutation changes only the order of
+# sums over heads (scores, the teacher average) and over tokens (parameter gradients), never
+# the semantics (heads and rows are sets: tests/test_torch_ref.py
+# test_head_permutation_invariance_float64); compressed blocks are NOT permuted (their order
+# is causal semantics). Outputs are permuted back, and the error is the max over the K orders
+# (order 0 is the stored goldens' own, so orderr >= the stored golden's error). Stored per low
+# dtype as the float64 scalar `golden.<dtype>.orderr.<name>` for the names of
+# harness.fixtures.ORDERR_QUANTITIES. Errors are harness.compare.normalised_error.
+ORDER_COUNT = 4  # K: order 0 (as stored) + 3 permuted orders
+ORDER_SEED = 14
+
+
+def evaluation_orders(batch: int, index_heads: int, teacher_heads: int, k: int = ORDER_COUNT
+                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """K (batch rows, index heads, teacher heads) permutations: the identity, all reversed,
+    each rotated by one, then seeded random ones (duplicates of an earlier order skipped where
+    the sizes allow fewer than K distinct ones)."""
+    sizes = (batch, index_heads, teacher_heads)
+    rng = np.random.default_rng(ORDER_SEED)
+    candidates = [tuple(np.arange(n) for n in sizes), tuple(np.arange(n)[::-1] for n in sizes),
+                  tuple(np.roll(np.arange(n), 1) for n in sizes)]
+    candidates += [tuple(rng.permutation(n) for n in sizes) for _ in range(4 * k)]
+    out, seen = [], set()
+    for perms in candidates:
+        key = tuple(tuple(int(i) for i in p) for p in perms)
+        if key not in seen:
+            seen.add(key)
+            out.append(perms)
+        if len(out) == k:
+            break
+    return out
+
+
+def order_errors(problem: Problem, goldens: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`golden.<dtype>.orderr.<name>`: the max over `evaluation_orders` of the torch reference's
+    normalised error at dtype against the float64 oracle in `goldens` (see the comment above).
+    The permuted runs go through the protocol like the goldens (TorchReference), computing only
+    the variants the order errors need."""
+    cfg = problem.config
+    HI, DI, H = cfg["index_n_heads"], cfg["index_head_dim"], cfg["num_query_heads"]
+    B = problem.inputs["hidden_states"].shape[0]
+    oracle_topk = goldens["golden.float64.topk_indices"]
+
+    def error(q: str, value) -> float:
+        oracle = goldens[f"golden.float64.{q.replace('sparse_at_oracle', 'sparse', 1)}"]
+        err, _, _ = normalised_error(np.asarray(value, np.float64), oracle,
+                                     "row" if q == "index_scores" else "tensor")
+        return err
+
+    # Order 0 is the stored goldens themselves (not a rerun: a rerun of the same order on
+    # copied, differently aligned buffers can round differently in the CPU kernels).
+    worst = {f"golden.{dt}.orderr.{q}": error(q, goldens[f"golden.{dt}.{q}"])
+             for dt in LOW_DTYPES for q in ORDERR_QUANTITIES}
+    reference = TorchReference(variants=("dense", "sparse_at_oracle"))
+    for pb, pi, pt in evaluation_orders(B, HI, H)[1:]:
+        pp = dict(problem.params)
+        pp["indexer.wq_b"] = pp["indexer.wq_b"].reshape(-1, HI, DI)[:, pi].reshape(-1, HI * DI)
+        pp["indexer.weights_proj"] = pp["indexer.weights_proj"][:, pi]
+        px = {n: np.ascontiguousarray(v[pb]) for n, v in problem.inputs.items()}
+        px["teacher_query"] = np.ascontiguousarray(px["teacher_query"][:, :, pt])
+        permuted = Problem(problem.name, cfg, px, pp, oracle_topk[pb])
+        back_b = np.argsort(pb)  # output row b' of the permuted run is input row pb[b']
+        for dt in LOW_DTYPES:
+            out = reference.run(permuted, Point(problem.name, dt))
+            got = {"compressed_keys": out["compressed_keys"][back_b], "index_scores": out["index_scores"][back_b]}
+            for variant in ("dense", "sparse_at_oracle"):
+                got[f"loss.{variant}"] = out[f"loss.{variant}"]
+                for p in PARAM_NAMES:
+                    g = out[f"grad.{variant}.{p}"]
+                    if p == "indexer.wq_b":
+                        g = g.reshape(-1, HI, DI)[:, np.argsort(pi)].reshape(-1, HI * DI)
+                    elif p == "indexer.weights_proj":
+                        g = g[:, np.argsort(pi)]
+                    got[f"grad.{variant}.{p}"] = g
+            for q in ORDERR_QUANTITIES:
+                name = f"golden.{dt}.orderr.{q}"
+                worst[name] = max(worst[name], error(q, got[q]))
+    return {name: np.asarray(err, np.float64) for name, err in sorted(worst.items())}
+
+
+def build_case_tensors(case: Case) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of a case's file: inputs and params from `make_inputs`, goldens
+    from the torch reference."""
+    inputs, params = make_inputs(case)
+    tensors: dict[str, np.ndarray] = {**inputs, **params}
+    problem = Problem(case.name, case.config_dict(), inputs, params)
+    tensors.update(golden_tensors(problem))
+    tensors.update(order_errors(problem, tensors))
+    metadata = {**case_metadata(case), **_versions()}
+    # The schema is the contract: fail here, at generation, if the reference drifts from it.
+    schema = tensor_schema(case)
+    if set(tensors) != set(schema):
+        raise RuntimeError(f"case {case.name!r}: built tensors differ from the schema: "
+                           f"{sorted(set(tensors) ^ set(schema))}")
+    for name, (shape, dt, _) in schema.items():
+        a = tensors[name]
+        if a.shape != shape or a.dtype.name != dt:
+            raise RuntimeError(f"case {case.name!r}: {name} came out {list(a.shape)} {a.dtype}, "
+                               f"the schema says {list(shape)} {dt} (did torch_ref change?)")
+    return tensors, metadata
+
+
+def case_bytes(case: Case) -> bytes:
+    """The exact bytes of a case's fixture file."""
+    tensors, metadata = build_case_tensors(case)
+    return write_safetensors(tensors, metadata)
+
+
+def write_case(case: Case, path: str | os.PathLike) -> bytes:
+    """Build a case and write its file (atomically); returns the bytes written."""
+    data = case_bytes(case)
+    atomic_write(Path(path), data)
+    return data
+
+
+# --------------------------------------------------------------------------- regenerate / check
+
+
+def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
+               fixtures_dir: str | os.PathLike | None = None, out: TextIO | None = None) -> int:
+    """Write (or, with `check`, regenerate in memory and compare) the named cases, all by
+    default. Prints what it does and every difference; returns the exit code (0 ok, 1 a
+    difference, 2 a bad argument)."""
+    out = out if out is not None else sys.stdout
+    fixtures_dir = Path(fixtures_dir) if fixtures_dir is not None else FIXTURES_DIR
+    names = list(cases) if cases else list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"unknown case(s) {', '.join(map(repr, unknown))} (valid: {', '.join(CASES)})",
+              file=out)
+        return 2
+    t_all = time.perf_counter()
+    if check:
+        problems = 0
+        manifest: dict[str, Any] | None
+        try:
+            manifest = read_manifest(fixtures_dir)
+        except FixtureError as e:
+            print(f"DIFF {e}", file=out)
+            manifest, problems = None, 1
+        for name in names:
+            t0 = time.perf_counter()
+            diffs, notes = check_case(CASES[name], fixtures_dir, manifest)
+            for n in notes:
+                print(f"note {name}: {n}", file=out)
+            for d in diffs:
+                print(f"DIFF {d}", file=out)
+            status = "ok" if not diffs else f"{len(diffs)} difference(s)"
+            print(f"check {name}: {status} ({time.perf_counter() - t0:.1f} s)", file=out)
+            problems += len(diffs)
+        if manifest is not None and cases is None:
+            for stale in sorted(set(manifest["cases"]) - set(CASES)):
+                print(f"DIFF {display_path(fixtures_dir / MANIFEST_NAME)} lists case {stale!r}, "
+                      f"which harness/cases.py no longer has: run {fix_command(None, fixtures_dir)}",
+                      file=out)
+                problems += 1
+        verdict = "passed" if not problems else f"FAILED with {problems} difference(s)"
+        print(f"fixtures --check {verdict} in {time.perf_counter() - t_all:.1f} s", file=out)
+        return 0 if not problems else 1
+
+    try:
+        entries = dict(read_manifest(fixtures_dir)["cases"])
+    except FixtureError:
+        entries = {}
+    entries = {n: e for n, e in entries.items()
+               if n in CASES and (fixtures_dir / f"{n}.safetensors").exists()}
+    for name in names:
+        t0 = time.perf_counter()
+        path = fixtures_dir / f"{name}.safetensors"
+        data = write_case(CASES[name], path)
+        entries[name] = manifest_entry(CASES[name], data)
+        print(f"wrote {display_path(path)}: {len(data):,} bytes, sha256 {sha256_of(data)[:16]}... "
+              f"({time.perf_counter() - t0:.1f} s)", file=out)
+    write_manifest(fixtures_dir, entries)
+    total = sum(e["bytes"] for e in entries.values())
+    print(f"wrote {display_path(fixtures_dir / MANIFEST_NAME)}: {len(entries)} case(s), "
+          f"{total:,} bytes of fixtures ({time.perf_counter() - t_all:.1f} s)", file=out)
+    return 0
+
+
+def check_case(case: Case, fixtures_dir: Path, manifest: Mapping[str, Any] | None = None
+               ) -> tuple[list[str], list[str]]:
+    """Regenerate `case` in memory and compare with the committed file.
+
+    -> (differences, notes). Inputs, parameters and identifying metadata must match
+    exactly; goldens within CHECK_RTOL (normwise, -inf/NaN patterns exact; top-k as
+    per-row sets, a swap excused only between scores tied within the bound); generator
+    versions that differ are notes, not differences.
+    """
+    path = Path(fixtures_dir) / f"{case.name}.safetensors"
+    shown, fix = display_path(path), fix_command(case.name, Path(fixtures_dir))
+    if not path.exists():
+        return [f"{shown} is missing: run {fix}"], []
+    committed = path.read_bytes()
+    diffs: list[str] = []
+    notes: list[str] = []
+    if manifest is not None:
+        entry = manifest["cases"].get(case.name)
+        if entry is None:
+            diffs.append(f"MANIFEST.json has no entry for {case.name!r}: run {fix}")
+        else:
+            if entry.get("sha256") != sha256_of(committed) or entry.get("bytes") != len(committed):
+                diffs.append(f"{shown}: sha256 {sha256_of(committed)} ({len(committed)} bytes) "
+                             f"but MANIFEST.json records {entry.get('sha256')} "
+                             f"({entry.get('bytes')} bytes)")
+            want = manifest_entry(case, committed)
+            for key in ("file", "batch", "seq_len", "seed", "config"):
+                if entry.get(key) != want[key]:
+                    diffs.append(f"MANIFEST.json entry {case.name!r}: {key} is "
+                                 f"{entry.get(key)!r}, the catalogue says {want[key]!r}")
+    fresh = case_bytes(case)
+    if fresh == committed:
+        return diffs, notes
+    try:
+        old_t, old_m = read_safetensors(committed)
+    except CorruptFile as e:
+        return diffs + [f"{shown} is truncated or corrupt ({e}): run {fix}"], notes
+    new_t, new_m = read_safetensors(fresh)
+    for key in sorted(set(old_m) | set(new_m)):
+        a, b = old_m.get(key), new_m.get(key)
+        if a != b:
+            line = f"{shown}: metadata {key}: committed {a!r}, regenerated {b!r}"
+            (notes if key in VERSION_KEYS else diffs).append(line)
+    for tname in sorted(set(old_t) - set(new_t)):
+        diffs.append(f"{shown}: tensor {tname!r} is committed but no longer generated")
+    for tname in sorted(set(new_t) - set(old_t)):
+        diffs.append(f"{shown}: tensor {tname!r} is generated but missing from the committed file")
+    for tname in sorted(set(old_t) & set(new_t)):
+        a, b = old_t[tname], new_t[tname]
+        if a.data == b.data and a.tag == b.tag and a.shape == b.shape:
+            continue
+        if a.tag != b.tag or a.shape != b.shape:
+            diffs.append(f"{shown}: tensor {tname!r}: committed {list(a.shape)} {a.tag}, "
+                         f"regenerated {list(b.shape)} {b.tag}")
+            continue
+        msg = compare_tensor(tname, a, b, old_t, new_t)
+        if msg:
+            diffs.append(f"{shown}: tensor {tname!r}: {msg}")
+    return diffs, notes
+
+
+def compare_tensor(tname: str, a: RawTensor, b: RawTensor, old_t, new_t) -> str | None:
+    """A difference message, or None when the regenerated tensor is within its bound."""
+    old, new = a.array(), b.array()
+    if not tname.startswith("golden."):
+        bad = ~((old == new) | (np.isnan(old) & np.isnan(new))) if old.dtype.kind == "f" \
+            else old != new
+        return _where(bad, old, new, "inputs and parameters must match exactly")
+    _, dt, quantity = tname.split(".", 2)
+    rtol = CHECK_RTOL[dt]
+    if quantity.startswith("orderr."):  # an error estimate: within a factor (ORDERR_CHECK_FACTOR)
+        o, n = float(old), float(new)
+        if max(o, n) <= ORDERR_CHECK_FACTOR * min(o, n) or o == n:
+            return None
+        return (f"order error {n:.3g} regenerated vs {o:.3g} committed: more than "
+                f"{ORDERR_CHECK_FACTOR:g}x apart")
+    if quantity == "topk_indices":
+        return compare_topk(old, new, old_t[f"golden.{dt}.index_scores"].array(), rtol)
+    pattern = (np.isnan(old) != np.isnan(new)) | (np.isinf(old) != np.isinf(new)) | \
+        (np.isinf(old) & (old != new))
+    if pattern.any():
+        return _where(pattern, old, new, "the -inf / NaN pattern must match exactly")
+    fin = np.isfinite(old)
+    scale = float(np.max(np.abs(old[fin]))) if fin.any() else 0.0
+    err = np.where(fin, np.abs(old.astype(np.float64) - new.astype(np.float64)), 0.0)
+    bound = rtol * scale
+    if float(err.max(initial=0.0)) <= bound:
+        return None
+    return _where(err > bound, old, new,
+                  f"max |diff| {float(err.max()):.3g} > {rtol:.3g} * max |committed| "
+                  f"{scale:.3g} = {bound:.3g}")
+
+
+def compare_topk(old: np.ndarray, new: np.ndarray, scores: np.ndarray, rtol: float) -> str | None:
+    """Per (b, s) the picks as sets, by the project's one tie rule (harness.compare.topk_sets)
+    with the score tolerance rtol * max |committed row|."""
+    finite = np.where(np.isfinite(scores), np.abs(scores), 0.0)
+    tol = rtol * (finite.max(axis=-1) if scores.shape[-1] else np.zeros(scores.shape[:-1]))
+    r = topk_sets("topk_indices", new, old, scores, tol)
+    if not r.failed:
+        return None
+    first = r.stats["first"].replace("candidate picks", "regenerated").replace("oracle picks", "committed")
+    return (f"{int(r.error)} pick(s) differ beyond a boundary tie ({r.stats['excused']} excused); first at "
+            f"(b, s) = {r.where}: {first}")
+
+
+def _where(bad: np.ndarray, old: np.ndarray, new: np.ndarray, rule: str) -> str:
+    n = int(np.count_nonzero(bad))
+    if n == 0:
+        return f"bytes differ but no element does ({rule})"
+    first = tuple(int(i) for i in np.argwhere(bad)[0]) if bad.ndim else ()
+    return (f"{n} of {bad.size} element(s) differ ({rule}); first at index {first}: "
+            f"committed {old[first]!r}, regenerated {new[first]!r}")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `scripts/regenerate_fixtures.py`, for reuse by the csa-parity CLI."""
+    parser.add_argument("--case", action="append", metavar="NAME",
+                        help=f"only this case (repeatable; default all: {', '.join(CASES)})")
+    parser.add_argument("--check", action="store_true",
+                        help="regenerate in memory and compare with the files; exit 1 on any "
+                             "difference")
+    parser.add_argument("--fixtures-dir", type=Path, default=None,
+                        help="where the fixtures live (default: the repository's fixtures/)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    return regenerate(args.case, check=args.check, fixtures_dir=args.fixtures_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="regenerate_fixtures.py",
+        description="Regenerate the committed fixtures from harness/cases.py and torch_ref, "
+                    "or --check them.")
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
