@@ -30,6 +30,7 @@ def _csv(kind):
 
 def _parser() -> argparse.ArgumentParser:
     from . import regenerate
+    from .matrix import SAMPLES
 
     p = argparse.ArgumentParser(prog="csa-parity", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -40,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--tchunks", type=_csv(int), help="teacher chunk sizes (default: the sampled set)")
     run.add_argument("--qchunks", type=_csv(int), help="query chunk sizes, 0 = all rows (default: the sampled set)")
     run.add_argument("--modes", type=_csv(str), help="forward,dense,sparse (default: all)")
-    run.add_argument("--full", action="store_true", help="the full chunk cross product (slow)")
+    run.add_argument("--sample", default="default", choices=list(SAMPLES),
+                     help="which chunk points the matrix samples (harness/matrix.py): default, ci (the "
+                     "subset `make test` runs) or full (the whole chunk cross product, slow)")
+    run.add_argument("--full", action="store_true", help="the same as --sample full")
     run.add_argument("--impl", default="jax", help="'jax' or a plug-in 'package.module[:factory]'")
     run.add_argument("--reference", default="live", choices=["live", "goldens"],
                      help="live torch_ref (default) or the fixture goldens (JAX-only, no torch)")
@@ -162,7 +166,7 @@ def run(args) -> int:
 
     _validate_run_args(args)
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.full,
-                           args.qchunks)
+                           args.qchunks, sample=args.sample)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
     groups: dict[str, list] = {}
@@ -199,7 +203,7 @@ def run(args) -> int:
         "tolerance_profile": args.precision,
         "platform": platform_info(args.precision, args.reference),
         "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes",
-                                                    "full")},
+                                                    "full", "sample")},
         "wall_s": time.time() - start,
     }
     paths = write_reports(records, meta, args.out)

@@ -5,7 +5,7 @@ mode, quantity): a `Point` (what an implementation runs) and what is judged at i
 what runs.
 
 Sampling (the full cross product, ~1400 compiled programs, would take most of an
-hour on 2 cores; `full=True` restores it for a long run):
+hour on 2 cores; the `full` sample restores it for a long run):
 - SWEEP_CASES (`small`, `flash_dims`: the head shapes that matter) sweep the
   indexer chunk over 0 and EVERY divisor of HI (teacher chunk 0) in float32,
   bfloat16 and float64, and over {0, 1, HI} in float16. This is the path with a
@@ -26,6 +26,21 @@ hour on 2 cores; `full=True` restores it for a long run):
   blocks: the last block holds padding rows), and the sweep cases add two points with
   query chunking alone, one dividing S and one not (each at least 2 blocks), in float32,
   bfloat16 and float64 (the dtypes whose rounding differs; float16 runs the combined point).
+
+Three samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest):
+- `default` (the rules above; `csa-parity run` and `make parity`): 2447 entries, 137
+  compiled programs, about 7 minutes of one process on this project's 2-core machine.
+- `ci` (what `make test` and `make test312` run, so that `.ci/run` stays under 20 minutes):
+  every case in every dtype natively (the jax-vs-torch verdict itself); the combined chunk
+  point (both head chunks and the non-dividing query chunk) of every case in two dtypes,
+  one narrow and one wide, rotated over the cases so that each dtype holds it on at least 4
+  of the 9 layouts; and on each sweep case every value class of every knob once (indexer
+  chunk 1 and HI, teacher chunk 1 and H, the dividing and the non-dividing query chunk
+  alone), the dtypes rotated so that each class runs in a different dtype on the two sweep
+  cases. 66 programs, 1188 entries. What it leaves out (every other divisor, each class in
+  every dtype) the default sample runs; `tests/test_foundation.py` sweeps every head-chunk
+  divisor of a small problem against native in float32 and bfloat16 in every CI run.
+- `full`: the whole chunk cross product (about 1400 programs), for a long run.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 TEACHER_CHUNK_DTYPES = ("float32", "float64")
 QUERY_CHUNK_DTYPES = ("float32", "bfloat16", "float64")
 SWEEP_CASES = ("small", "flash_dims")
+SAMPLES = ("ci", "default", "full")
 
 
 def divisors(n: int) -> list[int]:
@@ -134,7 +150,8 @@ def combined_pair(case: str) -> tuple[int, int]:
 
 
 def chunk_pairs(case: str, dtype: str, full: bool = False) -> list[tuple[int, int]]:
-    """The (indexer chunk, teacher chunk) pairs run for a case and dtype (see the module doc)."""
+    """The (indexer chunk, teacher chunk) pairs of the default (or the full) sample for a
+    case and dtype (see the module doc)."""
     cfg = CASES[case].config
     hi, h = cfg["index_n_heads"], cfg["num_query_heads"]
     if full:
@@ -158,10 +175,16 @@ def query_chunk_sizes(seq_len: int) -> tuple[int, int]:
     return dividing, non_dividing
 
 
-def chunk_points(case: str, dtype: str, full: bool = False) -> list[tuple[int, int, int]]:
-    """The (indexer chunk, teacher chunk, query chunk) triples run for a case and dtype:
-    chunk_pairs, the combined pair with the non-dividing query chunk folded in, and on the
-    sweep cases query chunking alone (see the module doc)."""
+def chunk_points(case: str, dtype: str, sample: str = "default") -> list[tuple[int, int, int]]:
+    """The (indexer chunk, teacher chunk, query chunk) triples run for a case and dtype in a
+    sample (`ci`, `default`, `full`; see the module doc). The default: chunk_pairs, the
+    combined pair with the non-dividing query chunk folded in, and on the sweep cases query
+    chunking alone."""
+    if sample not in SAMPLES:
+        raise ValueError(f"sample={sample!r} is not supported (valid: {', '.join(SAMPLES)})")
+    if sample == "ci":
+        return ci_points(case, dtype)
+    full = sample == "full"
     pairs = chunk_pairs(case, dtype, full)
     dividing, non_dividing = query_chunk_sizes(CASES[case].seq_len)
     if full:
@@ -170,6 +193,31 @@ def chunk_points(case: str, dtype: str, full: bool = False) -> list[tuple[int, i
     points = [(i, t, non_dividing if (i, t) == combined else 0) for i, t in pairs]
     if case in SWEEP_CASES and dtype in QUERY_CHUNK_DTYPES:
         points += [(0, 0, q) for q in (dividing, non_dividing) if q]
+    return sorted(set(points))
+
+
+# The ci sample's rotations (module doc). Case k of the catalogue holds the combined point in
+# COMBINED_DTYPES[k % 4]. On sweep case j, value class c runs in one of the dtypes the default
+# sample sweeps that knob in, the (c + j)-th.
+COMBINED_DTYPES = (("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"),
+                   ("float16", "float32"))
+ICHUNK_DTYPES = ("float32", "bfloat16", "float64")
+
+
+def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
+    """The ci sample's chunk triples for a case and dtype: a subset of the default sample's."""
+    cfg = CASES[case].config
+    hi, h = cfg["index_n_heads"], cfg["num_query_heads"]
+    dividing, non_dividing = query_chunk_sizes(CASES[case].seq_len)
+    points = [(0, 0, 0)]
+    if dtype in COMBINED_DTYPES[list(CASES).index(case) % len(COMBINED_DTYPES)]:
+        points.append((*combined_pair(case), non_dividing))
+    if case in SWEEP_CASES:
+        j = SWEEP_CASES.index(case)
+        classes = [((1, 0, 0), ICHUNK_DTYPES), ((hi, 0, 0), ICHUNK_DTYPES),
+                   ((0, 1, 0), TEACHER_CHUNK_DTYPES), ((0, h, 0), TEACHER_CHUNK_DTYPES),
+                   ((0, 0, dividing), QUERY_CHUNK_DTYPES), ((0, 0, non_dividing), QUERY_CHUNK_DTYPES)]
+        points += [p for c, (p, dtypes) in enumerate(classes) if dtypes[(c + j) % len(dtypes)] == dtype]
     return sorted(set(points))
 
 
@@ -188,15 +236,17 @@ def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
 
 
 def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None,
-                 impl: str = "jax", full: bool = False, qchunks=None) -> list[Entry]:
-    """All entries. None = the sampling rule's choice; explicit `ichunks` / `tchunks` /
-    `qchunks` replace the sampled chunk points of every case by their cross product (a
-    missing one counts as [0])."""
+                 impl: str = "jax", full: bool = False, qchunks=None, sample: str = "default") -> list[Entry]:
+    """All entries. None = the sample's choice (`sample`: ci, default or full; `full=True`
+    is `sample="full"`); explicit `ichunks` / `tchunks` / `qchunks` replace the sampled chunk
+    points of every case by their cross product (a missing one counts as [0])."""
+    if full:
+        sample = "full"
     entries = []
     for case in cases or CASES:
         for dtype in dtypes or DTYPES:
             if ichunks is None and tchunks is None and qchunks is None:
-                points = chunk_points(case, dtype, full)
+                points = chunk_points(case, dtype, sample)
             else:
                 points = [(i, t, q) for i in (ichunks or [0]) for t in (tchunks or [0]) for q in (qchunks or [0])]
             for ichunk, tchunk, qchunk in points:

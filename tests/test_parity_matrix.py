@@ -14,6 +14,8 @@ Reference: live torch_ref by default; CSA_PARITY_REFERENCE=goldens judges
 against the fixture goldens (the JAX-only mode, no torch needed).
 Precision: CSA_PARITY_PRECISION=highest (default) or default, the JAX matmul
 precision and the tolerance profile (harness/tolerance.py) together.
+Sample: CSA_PARITY_SAMPLE=default (the default: what `csa-parity run` runs), ci (what
+`make test` runs: a subset, harness/matrix.py says which) or full.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ import pytest
 
 from harness.collect import collect, policy
 from harness.judge import judge
-from harness.matrix import build_matrix
+from harness.matrix import SAMPLES, build_matrix
 from harness.outputs import NOT_APPLICABLE, NOT_PROVIDED
 
 REFERENCE = os.environ.get("CSA_PARITY_REFERENCE", "live")
 PROFILE = os.environ.get("CSA_PARITY_PRECISION", "highest")  # conftest sets JAX's matmul precision to match
+SAMPLE = os.environ.get("CSA_PARITY_SAMPLE", "default")
+if SAMPLE not in SAMPLES:
+    raise pytest.UsageError(f"CSA_PARITY_SAMPLE={SAMPLE!r} is not a matrix sample (valid: {', '.join(SAMPLES)})")
 
 
 def _param(entry):
@@ -38,7 +43,7 @@ def _param(entry):
     return pytest.param(entry, id=entry.id, marks=marks)
 
 
-@pytest.mark.parametrize("entry", [_param(e) for e in build_matrix()])
+@pytest.mark.parametrize("entry", [_param(e) for e in build_matrix(sample=SAMPLE)])
 def test_parity(entry):
     outputs, references = collect(entry, REFERENCE)
     results = judge(entry, outputs, references, policy(PROFILE))
