@@ -61,8 +61,12 @@ test: $(STAMP)
 TEST312_FILES := tests/test_bad_inputs.py tests/test_cases.py tests/test_cli.py tests/test_compare.py \
 	tests/test_judge.py tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
 	tests/test_traceable.py tests/test_grad_checks.py tests/test_training.py
+# One compilation cache for both steps: the CLI tests load the tiny programs the run compiled.
 test312: $(STAMP312)
-	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE) --out reports-py312 --no-progress
+	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
+	export JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296 && \
+	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE) --out reports-py312 --no-progress && \
 	CSA_PARITY_NO_TORCH=1 $(BIN312)/python -m pytest -n $(XDIST) --durations=10 $(TEST312_FILES)
 
 check-fixtures: $(STAMP)

@@ -48,7 +48,14 @@ CHECK_NAMES = {"exact64", "exact64@sel", "oracle", "oracle@sel", "chunk", "chunk
 
 @pytest.fixture(scope="session")
 def xla_cache(tmp_path_factory):
-    """One compilation cache for the whole session: under xdist, the workers' common parent."""
+    """One compilation cache for the whole session: the test run's own (tests/conftest.py), so
+    the clean run loads the programs the matrix compiled; else under xdist the workers' common
+    parent."""
+    shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if shared:
+        yield Path(shared)
+        stop_forkserver()
+        return
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent
