@@ -38,22 +38,30 @@ venv312: $(STAMP312)
 parity: $(STAMP)
 	$(BIN)/csa-parity run
 
-# The whole suite: fixtures --check, the tests on the ci sample of the matrix (SAMPLE=default or
-# full for more; harness/matrix.py says what each holds), the random configurations and the
-# query-chunk tests in a process of their own (under xdist XLA:CPU's compiler segfaulted on
-# query-blocked programs, once in each file; run alone, both pass), then the sharded slice in
-# its own process (it needs 8 simulated devices before JAX starts). One pytest process each
-# (XDIST=0): on this project's 2-core CI machine two xdist workers were slower than one
-# process (the ties/tiny/ragged slice: 172 s with -n 2, 134 s with -n 0); XDIST=auto where
-# there are more cores. --durations keeps where the time goes in the CI log.
+# The whole suite: fixtures --check, then two pytest processes side by side: the tests on
+# the ci sample of the matrix (SAMPLE=default or full for more; harness/matrix.py says what
+# each holds), and beside it the random configurations and the query-chunk tests (a process
+# of their own: under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in
+# each file; run alone, both pass) followed by the sharded slice (8 simulated devices, set
+# before JAX starts). The side process's output is printed whole when both have ended; the
+# target fails if either does. Each pytest is one process (XDIST=0): on this project's
+# 2-core CI machine two xdist workers were slower than one process (the ties/tiny/ragged
+# slice: 172 s with -n 2, 134 s with -n 0), while two separate processes get through ~1.35x
+# the work of one; XDIST=auto where there are more cores. --durations keeps where the time
+# goes in the CI log.
 SAMPLE ?= ci
 XDIST ?= 0
 test: $(STAMP)
 	$(BIN)/python scripts/regenerate_fixtures.py --check
+	@side=$$(mktemp); \
+	{ $(BIN)/python -m pytest tests/test_random_configs.py tests/test_query_chunk.py -n 0 --durations=10 && \
+	  $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; } >"$$side" 2>&1 & pid=$$!; \
 	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest -n $(XDIST) --durations=25 \
-		--ignore=tests/test_random_configs.py --ignore=tests/test_query_chunk.py
-	$(BIN)/python -m pytest tests/test_random_configs.py tests/test_query_chunk.py -n 0 --durations=10
-	$(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5
+		--ignore=tests/test_random_configs.py --ignore=tests/test_query_chunk.py; main=$$?; \
+	wait $$pid; rc=$$?; \
+	echo "=== make test: random configurations, query chunks, sharded slice (run beside the tests above)"; \
+	cat "$$side"; rm -f "$$side"; \
+	test $$main = 0 && test $$rc = 0
 
 # The jax 0.12 leg (Python 3.12, no torch): the matrix's ci sample judged against the fixture
 # goldens, then the layer and API tests; tests that need torch skip (CSA_PARITY_NO_TORCH=1
