@@ -224,10 +224,10 @@ def run(args) -> int:
     print(format_table(hr_header, hr_rows))
     print(f"not applicable: {summary['not_applicable']} checks"
           + "".join(f"; {n} {reason}" for reason, n in summary["not_applicable_reasons"].items()))
-    for r in [r for r in records if r["status"] == "failed"][:20]:
+    for r in [r for r in records if r["status"] in ("failed", "error")][:20]:
         print("FAIL", r["message"])
     print(f"reports: {paths['json']}, {paths['md']}, {paths['png']}")
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] + summary["errors"] == 0 else 1
 
 
 def main(argv: list[str] | None = None) -> int:
