@@ -27,7 +27,7 @@ from .loss import kl_loss, loss_keep, student_log_probs, teacher_distribution, t
 from .pooling import compress_keys, compress_parts
 from .precision import round_to
 from . import query_blocks
-from .scoring import _queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
+from .scoring import queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
 from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check_params, check_selection
 
 
@@ -207,7 +207,7 @@ def _stages_jit(params, inputs, selection, cfg, dtype_name):
     keys, pooled = compress_parts(x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"],
                                   p["indexer.kv_norm"], cfg, wide)
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    q = _queries(q_latent, p["indexer.wq_b"], pos, cfg.index_n_heads, cfg, wide)
+    q = queries(q_latent, p["indexer.wq_b"], pos, cfg.index_n_heads, cfg, wide)
     scores = score_stage(q.astype(wide), keys.astype(wide), hw)
     valid = block_validity(pos, seg, cfg, x.shape[1])
     masked = mask_scores(scores, valid)
