@@ -160,6 +160,21 @@ def platform_info(precision: str, reference: str) -> dict:
     return info
 
 
+def _stage_entries(entries, impl: str):
+    """A stage plug-in (issue 11) runs native points only (chunks are the pipeline's knobs): every
+    matrix entry there (reported not provided, counted) plus its stage's entries."""
+    from .implementations import StageImplementation, load_implementation
+    from .matrix import Entry
+    from .outputs import STAGE_MODE, stage_quantities
+
+    api = load_implementation(impl)
+    if not isinstance(api, StageImplementation):
+        return entries
+    native = [e for e in entries if not e.point.chunked]
+    points = sorted({e.point for e in native})
+    return native + [Entry(p, STAGE_MODE, q, impl) for p in points for q in stage_quantities(api.stage)]
+
+
 def run(args) -> int:
     from .matrix import build_matrix
     from .report import format_table, status_line, summarise, table, write_reports
@@ -167,6 +182,7 @@ def run(args) -> int:
     _validate_run_args(args)
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.full,
                            args.qchunks, sample=args.sample)
+    entries = _stage_entries(entries, args.impl)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
     groups: dict[str, list] = {}
@@ -224,10 +240,10 @@ def run(args) -> int:
     print(format_table(hr_header, hr_rows))
     print(f"not applicable: {summary['not_applicable']} checks"
           + "".join(f"; {n} {reason}" for reason, n in summary["not_applicable_reasons"].items()))
-    for r in [r for r in records if r["status"] == "failed"][:20]:
+    for r in [r for r in records if r["status"] in ("failed", "error")][:20]:
         print("FAIL", r["message"])
     print(f"reports: {paths['json']}, {paths['md']}, {paths['png']}")
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] + summary["errors"] == 0 else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,10 +17,10 @@ from __future__ import annotations
 from . import platforms
 from .cases import CASES
 from .compare import CheckResult
-from .implementations import order_errors, outputs, reference_name
-from .judge import judge
+from .implementations import forward_stages, order_errors, outputs, reference_name, stage_references
+from .judge import first_divergence, judge, stage_checks
 from .matrix import Entry, Point
-from .outputs import Outputs, References
+from .outputs import FAILED, STAGE_MODE, Outputs, References, kind_of
 from .tolerance import Policy
 
 
@@ -50,6 +50,14 @@ def collect(entry: Entry, reference: str = "live") -> tuple[Outputs, References]
         na = Outputs(entry.impl, not_applicable=platforms.not_applicable_label(backend, reason))
         return na, References(oracle=na, at_dtype=na)
     candidate = outputs(entry.impl, p.case, p)
+    if entry.mode == STAGE_MODE:  # a stage plug-in: judged against the live reference's stage
+        if ref != "torch_ref":
+            na = Outputs(entry.impl, not_applicable=(
+                "a stage is judged against the live reference (the goldens store no stage inputs): "
+                "run with --reference live"))
+            return (candidate if candidate.error else na), References(oracle=na, at_dtype=na)
+        return candidate, References(oracle=stage_references(p.case, "float64"),
+                                     at_dtype=stage_references(p.case, p.dtype))
     references = References(
         oracle=outputs(ref, p.case, Point(p.case, "float64")),
         at_dtype=outputs(ref, p.case, Point(p.case, p.dtype)),
@@ -63,4 +71,33 @@ def collect(entry: Entry, reference: str = "live") -> tuple[Outputs, References]
 def evaluate(entry: Entry, reference: str = "live", profile: str = "highest") -> list[CheckResult]:
     """Every check of one entry. `profile` picks the tolerance profile matching the matmul
     precision the candidate ran at (harness.tolerance.PROFILES)."""
-    return judge(entry, *collect(entry, reference), policy(profile))
+    candidate, references = collect(entry, reference)
+    results = judge(entry, candidate, references, policy(profile))
+    if any(r.status == FAILED for r in results) and entry.mode != STAGE_MODE:
+        line = diagnose(entry, reference, profile)
+        results = [r.with_diagnosis(line) if r.status == FAILED else r for r in results]
+    return results
+
+
+GOLDENS_NO_STAGES = ("first diverging stage unknown: the goldens store no intermediates "
+                     "(run with --reference live for the diagnosis)")
+
+
+def diagnose(entry: Entry, reference: str = "live", profile: str = "highest") -> str:
+    """The first-diverging-stage line of a failed entry (harness.judge.first_divergence): the
+    candidate's forward intermediates (native path, the entry's dtype and loss variant; a
+    sparse entry with the oracle's selection) against the live reference's in float64, with
+    the reference's own at the dtype as the baseline. Only for failed entries."""
+    if reference_name(reference) != "torch_ref":
+        return GOLDENS_NO_STAGES
+    p, sparse = entry.point, entry.mode == "sparse"
+    try:
+        candidate = forward_stages(entry.impl, p.case, p.dtype, sparse)
+    except Exception as exc:  # a plug-in's forward_stages that raises: say so, keep the result
+        return f"first diverging stage unknown: {entry.impl}'s forward_stages raised {type(exc).__name__}: {exc}"
+    if candidate is None:
+        return f"first diverging stage unknown: {entry.impl} exposes no forward_stages"
+    oracle = forward_stages("torch_ref", p.case, "float64", sparse)
+    at_dtype = forward_stages("torch_ref", p.case, p.dtype, sparse)
+    checks = stage_checks(candidate, oracle, at_dtype, p.dtype, policy(profile), dims(p.case))
+    return first_divergence(checks, gradient_failed=kind_of(entry.quantity) in ("grad", "loss", "isolation"))

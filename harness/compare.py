@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .outputs import EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES
+from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -45,7 +45,7 @@ def to_numpy(x: Any) -> np.ndarray:
 
 
 _VERDICT = {PASSED: "ok", FAILED: "MISMATCH", EXCUSED: "excused", NOT_PROVIDED: "not provided",
-            NOT_APPLICABLE: "not applicable"}
+            NOT_APPLICABLE: "not applicable", ERROR: "ERROR"}
 assert tuple(_VERDICT) == STATUSES
 
 
@@ -114,6 +114,12 @@ class CheckResult:
 
     def _body_status(self) -> str:
         return self.note
+
+    def with_diagnosis(self, line: str) -> "CheckResult":
+        """This failed result with the first-diverging-stage line (issue 11) in its note and
+        its stats (`first_divergence`, also a field of the report's record)."""
+        note = f"{self.note}; {line}" if self.note else line
+        return dataclasses.replace(self, note=note, stats={**self.stats, "first_divergence": line})
 
     def with_context(self, context: str) -> "CheckResult":
         return dataclasses.replace(self, context=context)

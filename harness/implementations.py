@@ -44,7 +44,7 @@ import numpy as np
 
 from .compare import to_numpy
 from .matrix import Point
-from .outputs import FORWARD_QUANTITIES, LOSS_VARIANTS, PARAM_NAMES, Outputs
+from .outputs import FORWARD_QUANTITIES, LOSS_VARIANTS, PARAM_NAMES, STAGE_INPUTS, Outputs, all_names
 
 PROTOCOL = ("CSAConfig", "indexer_forward", "indexer_loss_and_grads")
 REQUIRED = ("CSAConfig",)  # and at least one of the two entry points
@@ -197,6 +197,15 @@ def load_implementation(spec: str) -> ProtocolImplementation:
         api = getattr(module, factory)()
     lacking = [n for n in REQUIRED if not callable(getattr(api, n, None))]
     entry_points = [n for n in PROTOCOL[1:] if callable(getattr(api, n, None))]
+    stage = getattr(api, "STAGE", None)
+    if stage is not None:  # issue 11: a stage plug-in, e.g. `STAGE = "scores"` and `scores(q, keys, head_weights)`
+        if stage not in STAGE_INPUTS:
+            raise ImplementationError(f"implementation {spec!r}: STAGE={stage!r} is not a stage the harness "
+                                      f"offers (valid: {', '.join(STAGE_INPUTS)})")
+        if not callable(getattr(api, stage, None)):
+            raise ImplementationError(f"implementation {spec!r} declares STAGE={stage!r} but has no function "
+                                      f"{stage}({', '.join(STAGE_INPUTS[stage])})")
+        return StageImplementation(spec, api, stage)
     if lacking or not entry_points:
         missing = lacking + ([] if entry_points else ["indexer_forward or indexer_loss_and_grads"])
         raise ImplementationError(
@@ -204,6 +213,132 @@ def load_implementation(spec: str) -> ProtocolImplementation:
             f"{', '.join(PROTOCOL)}; one of the two entry points may be left out)"
         )
     return ProtocolImplementation(spec, api)
+
+
+# --------------------------------------------------------------------------- stage plug-ins (issue 11)
+
+
+def stage_cotangent(shape) -> np.ndarray:
+    """The fixed cotangent [B, S, W] (float64) a stage's gradient is taken with: seeded normal
+    draws, so every output element reaches the gradient with its own weight."""
+    return np.random.default_rng(11).standard_normal(shape)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageImplementation:
+    """A plug-in that provides one stage: `STAGE = "scores"` and `scores(q, keys, head_weights)
+    -> [B, S, W]`. At a point of dtype t it is given the live reference's own stage inputs at t
+    (q after RoPE [B, S, HI, DI] and K [B, W, DI] holding their dtype-t values, w [B, S, HI];
+    all as wide-dtype arrays, which is what the reference's stage computes with) and returns
+    the unmasked scores in the wide dtype. When it returns a JAX array its gradient with respect
+    to the three inputs is taken with jax.vjp and the harness's fixed cotangent. Every other
+    quantity is not provided."""
+
+    name: str
+    api: Any
+    stage: str
+
+    def missing(self) -> dict[str, str]:
+        why = f"{self.name} provides only the {self.stage} stage"
+        return {**{n: why for n in all_names()}, "loss.": why, "grad.": why, "input_grad.": why}
+
+    def run(self, problem, point: Point) -> Outputs:
+        if point.mesh is not None:
+            return Outputs(self.name, not_applicable=f"{self.name} is a stage plug-in: no sharded runs")
+        inputs = reference_stage_values(problem, point.dtype)
+        args = [inputs[f"input.{n}"] for n in STAGE_INPUTS[self.stage]]
+        fn = getattr(self.api, self.stage)
+        out = fn(*args)
+        expected = inputs[f"stage.{self.stage}"].shape
+        if tuple(np.shape(out)) != tuple(expected):
+            raise ValueError(f"{self.stage}() returned shape {tuple(np.shape(out))}, expected {tuple(expected)} "
+                             "[B, S, W]")
+        values = {f"stage.{self.stage}": to_numpy(out)}
+        missing = self.missing()
+        if type(out).__module__.startswith("jax"):
+            import jax
+            import jax.numpy as jnp
+
+            primal, pullback = jax.vjp(fn, *(jnp.asarray(a) for a in args))
+            ct = jnp.asarray(stage_cotangent(expected), primal.dtype)
+            for n, g in zip(STAGE_INPUTS[self.stage], pullback(ct)):
+                values[f"stage_grad.{self.stage}.{n}"] = to_numpy(g)
+        else:
+            missing[f"stage_grad.{self.stage}."] = (f"{self.name} returned {type(out).__name__}, not a JAX "
+                                                    "array: its gradient is not taken (JAX plug-ins: jax.vjp)")
+        return Outputs(self.name, values, missing)
+
+
+def reference_stage_values(problem, dtype: str) -> dict[str, np.ndarray]:
+    """The live reference's scoring stage at `dtype` (cached per problem and dtype): its inputs
+    (`input.q`, `input.keys`, `input.head_weights`: the wide-dtype values its stage computes
+    with), its output `stage.scores` and `stage_grad.scores.<input>` (torch autograd with the
+    fixed cotangent)."""
+    return _reference_stage_values(problem.name, dtype, fixtures_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_stage_values(name, dtype, directory) -> dict[str, np.ndarray]:
+    import torch_ref
+
+    problem = _fixture(name, directory)
+    cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in problem.config.items() if k not in KNOBS})
+    with deterministic_torch() as torch:
+        st = torch_ref.forward_stages(problem.params, problem.inputs, cfg, dtype)
+        wide = st["head_weights"].dtype
+        leaves = [st["queries"].to(wide).detach().requires_grad_(True), st["keys"].to(wide).detach().requires_grad_(True),
+                  st["head_weights"].detach().requires_grad_(True)]
+        with torch.enable_grad():
+            out = torch_ref.score_stage(*leaves)
+            ct = torch.as_tensor(stage_cotangent(tuple(out.shape))).to(wide)
+            grads = torch.autograd.grad(out, leaves, ct)
+    values = {f"input.{n}": t.detach().numpy().copy() for n, t in zip(STAGE_INPUTS["scores"], leaves)}
+    values["stage.scores"] = out.detach().numpy().copy()
+    values.update({f"stage_grad.scores.{n}": g.numpy().copy() for n, g in zip(STAGE_INPUTS["scores"], grads)})
+    return values
+
+
+def stage_references(case: str, dtype: str) -> Outputs:
+    """The reference's stage quantities at `dtype` as Outputs (the judge's oracle / at_dtype of
+    a stage entry)."""
+    values = reference_stage_values(fixture(case), dtype)
+    return Outputs(f"torch_ref@{dtype}", {k: v for k, v in values.items() if not k.startswith("input.")})
+
+
+# --------------------------------------------------------------------------- forward intermediates
+
+
+def forward_stages(spec: str, case: str, dtype: str, sparse: bool = False) -> dict[str, np.ndarray] | None:
+    """The forward intermediates (harness.outputs.FORWARD_STAGES) of implementation `spec`
+    (`jax`, a plug-in with `forward_stages`, or `torch_ref`) on `case` at `dtype`, native path;
+    the teacher and student of the dense loss, or (`sparse`) of the sparse loss on the float64
+    oracle's selection. None when the implementation exposes none. Cached per process."""
+    return _forward_stages(spec, case, dtype, sparse, fixtures_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_stages(spec: str, case: str, dtype: str, sparse: bool, directory) -> dict[str, np.ndarray] | None:
+    problem = _fixture(case, directory)
+    selection = _outputs("torch_ref", case, Point(case, "float64"), directory)["topk_indices"] if sparse else None
+    cfg_dict = run_config(problem.config, Point(case, dtype), sparse)
+    if spec == "torch_ref":
+        import torch_ref
+
+        cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in cfg_dict.items() if k not in KNOBS or k == "sparse_loss"})
+        with deterministic_torch():
+            raw = torch_ref.forward_stages(problem.params, problem.inputs, cfg, dtype, selection)
+    else:
+        impl = implementation(spec)
+        fn = getattr(getattr(impl, "api", None), "forward_stages", None)
+        if not callable(fn):
+            return None
+        raw = fn(problem.params, problem.inputs, impl.config(cfg_dict), dtype, selection)
+    return {k: to_numpy(v) for k, v in raw.items()}
 
 
 # --------------------------------------------------------------------------- the reference
@@ -330,9 +465,20 @@ def outputs(spec: str, case: str, point: Point) -> Outputs:
     return _outputs(spec, case, point, fixtures_dir())
 
 
+BUILTIN_SPECS = ("jax", "torch_ref", "goldens")
+
+
 @functools.lru_cache(maxsize=None)
 def _outputs(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
-    return implementation(spec).run(_fixture(case, directory), point)
+    if spec in BUILTIN_SPECS:  # the harness's own sides: a bug there is a traceback
+        return implementation(spec).run(_fixture(case, directory), point)
+    # issue 11: a plug-in that raises (or returns something malformed) at a point does not
+    # stop the run: the point's result says so, in one line, and every other point runs.
+    problem = _fixture(case, directory)
+    try:
+        return implementation(spec).run(problem, point)
+    except Exception as exc:  # anything the plug-in raises
+        return Outputs(spec, error=f"plug-in {spec} raised at {point.label}: {_first_line(exc)}")
 
 
 def reference_name(reference: str) -> str:
@@ -343,5 +489,5 @@ def reference_name(reference: str) -> str:
 
 
 def clear_caches() -> None:
-    for fn in (_fixture, implementation, _outputs):
+    for fn in (_fixture, implementation, _outputs, _reference_stage_values, _forward_stages):
         fn.cache_clear()

@@ -36,12 +36,13 @@ from __future__ import annotations
 import numpy as np
 
 from .compare import CheckResult, compare_close, exactly_zero, normalised_error, oracle_relative, status_result, topk_sets
-from .outputs import (EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, Outputs, References, output_name)
+from .outputs import (ERROR, EXCUSED, FAILED, FORWARD_STAGES, NOT_APPLICABLE, NOT_PROVIDED, STAGE_MODE, Outputs,
+                      References, output_name)
 from .tolerance import Policy
 
 
 def _scale(quantity: str) -> str:
-    return "row" if quantity == "index_scores" else "tensor"
+    return "row" if quantity in ("index_scores", "stage.scores", "scores") else "tensor"
 
 
 def score_tolerance(oracle_scores, scores_at_dtype, dtype: str, policy: Policy = Policy(),
@@ -167,9 +168,26 @@ def _sparse(entry, outputs: Outputs, refs: References, policy: Policy) -> list[C
     return out
 
 
+def _stage(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
+    """A stage plug-in's quantity (stage.<s>, stage_grad.<s>.<input>) against the float64
+    reference's stage, with the reference's own stage at the entry's dtype as the baseline."""
+    p, q = entry.point, entry.quantity
+    miss = _missing(outputs, [q], "oracle", q)
+    if miss:
+        return [miss]
+    if p.dtype == "float64":
+        return [compare_close("exact64", q, outputs[q], refs.oracle[q], policy.exact64, _scale(q))]
+    return [oracle_relative(q, outputs[q], refs.oracle[q], refs.at_dtype[q], policy.alpha(q),
+                            policy.floor(p.dtype, q), _scale(q))]
+
+
 def judge(entry, outputs: Outputs, references: References, policy: Policy = Policy()) -> list[CheckResult]:
     """Every check of one entry, each carrying the entry's label as context."""
-    if outputs.not_applicable:
+    if outputs.error:
+        results = [status_result("-", entry.quantity, ERROR, outputs.error)]
+    elif entry.mode == STAGE_MODE and not outputs.not_applicable:
+        results = _stage(entry, outputs, references, policy)
+    elif outputs.not_applicable:
         results = [status_result("-", entry.quantity, NOT_APPLICABLE, outputs.not_applicable)]
     elif entry.mode == "forward":
         results = _forward(entry, outputs, references, policy)
@@ -182,3 +200,59 @@ def judge(entry, outputs: Outputs, references: References, policy: Policy = Poli
     else:
         raise ValueError(f"mode={entry.mode!r} is not one of forward, dense, sparse")
     return [r.with_context(entry.label) for r in results]
+
+
+# --------------------------------------------------------------------------- first diverging stage
+# Entries at or beyond this magnitude are masks, not values (-inf, or the loss's MASK =
+# -0.7 * float32 max, which one side writes where the other writes -inf): left out of a
+# stage's comparison, both sides; the pattern of masks is judged by the quantities themselves.
+MASKED = 1e30
+
+
+def _unmasked(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    keep = np.isfinite(ref) & (np.abs(ref) < MASKED)
+    return np.where(keep, x, 0.0), np.where(keep, ref, 0.0)
+
+
+# The forward quantity whose floor (with its reduction length, harness.tolerance) a stage
+# takes: the pooled vectors and keys carry the key path's sums, the raw scores and the
+# student log-probabilities (a softmax of those scores) the score path's; the others one rounding.
+STAGE_FLOOR_OF = {"pooled": "compressed_keys", "keys": "compressed_keys", "scores": "index_scores",
+                  "student": "index_scores"}
+
+
+def stage_checks(candidate, oracle, at_dtype, dtype: str, policy: Policy = Policy(), dims=None) -> list[CheckResult]:
+    """Each forward stage (harness.outputs.FORWARD_STAGES, data-flow order) of a candidate
+    against the float64 reference's, by the oracle rule of the forward row (alpha 2, the
+    forward floor of STAGE_FLOOR_OF with the problem's `dims`; float64: exact64). Dicts
+    stage -> array; a stage absent on any side is skipped."""
+    out = []
+    for name in FORWARD_STAGES:
+        if name not in candidate or name not in oracle or name not in at_dtype:
+            continue
+        cand, ref = _unmasked(candidate[name], oracle[name])
+        base, _ = _unmasked(at_dtype[name], oracle[name])
+        if dtype == "float64":
+            out.append(compare_close("stage", name, cand, ref, policy.exact64, _scale(name)))
+        else:
+            out.append(oracle_relative(name, cand, ref, base, policy.alpha("compressed_keys"),
+                                       policy.floor(dtype, STAGE_FLOOR_OF.get(name, "compressed_keys"),
+                                                    dims if name in STAGE_FLOOR_OF else None),
+                                       _scale(name), check="stage"))
+    return out
+
+
+def first_divergence(checks: list[CheckResult], gradient_failed: bool) -> str:
+    """The diagnosis line of a failed entry from its `stage_checks`: the first stage, in
+    data-flow order, beyond its bound ("first diverges at queries: 3.1e-2 against 4e-3
+    allowed"), or, when every forward stage agrees and a gradient failed, "the forward
+    agrees; the backward diverges"."""
+    for c in checks:
+        if c.failed:
+            err = "non-finite/pattern" if not np.isfinite(c.error) else f"{c.error:.2g}"
+            return f"first diverges at {c.quantity}: {err} against {c.bound:.2g} allowed"
+    stages = ", ".join(c.quantity for c in checks)
+    if gradient_failed:
+        return f"the forward agrees ({stages} within their bounds); the backward diverges"
+    return f"every forward stage agrees ({stages} within their bounds)"

@@ -36,10 +36,26 @@ LOSS_QUANTITIES = ("loss", *(f"grad.{p}" for p in PARAM_NAMES), "input_grads")
 MODES = ("forward", "dense", "sparse")
 LOSS_VARIANTS = ("dense", "sparse", "sparse_at_oracle")
 
-# What a check can end in. Only the first three come from comparing numbers.
-PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE = (
-    "passed", "failed", "excused", "not_provided", "not_applicable")
-STATUSES = (PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE)
+# What a check can end in. Only the first three come from comparing numbers; `error` (issue
+# 11) is a point where a plug-in raised or returned something malformed: counted beside
+# failed, and it fails the run as a failure does.
+PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE, ERROR = (
+    "passed", "failed", "excused", "not_provided", "not_applicable", "error")
+STATUSES = (PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE, ERROR)
+
+# Stage plug-ins (issue 11): the stages a plug-in may provide alone (`STAGE = "scores"`),
+# the matrix mode of their entries and their quantities. `stage.scores` is the stage output
+# [B, S, W]; `stage_grad.scores.<input>` its vector-Jacobian product with the harness's fixed
+# cotangent (harness.implementations.stage_cotangent) with respect to q, keys, head_weights.
+STAGE_MODE = "stage"
+STAGE_INPUTS = {"scores": ("q", "keys", "head_weights")}
+# The forward intermediates, in data-flow order, that the first-diverging-stage diagnosis
+# compares (both built-in sides expose them: forward_stages).
+FORWARD_STAGES = ("pooled", "keys", "queries", "head_weights", "scores", "teacher", "student")
+
+
+def stage_quantities(stage: str) -> tuple[str, ...]:
+    return (f"stage.{stage}", *(f"stage_grad.{stage}.{n}" for n in STAGE_INPUTS[stage]))
 
 # The kind of a quantity: which rule and which tolerance row judge it (harness.tolerance
 # keys its tables by the numeric kinds forward / loss / grad). Also the pytest marker.
@@ -50,13 +66,13 @@ def kind_of(quantity: str) -> str:
     """forward | topk | loss | grad | isolation, for a matrix quantity or a canonical name."""
     if quantity == "topk_indices":
         return "topk"
-    if quantity in ("compressed_keys", "index_scores"):
+    if quantity in ("compressed_keys", "index_scores") or quantity.startswith("stage."):
         return "forward"
     if quantity == "input_grads" or quantity.startswith("input_grad."):
         return "isolation"
     if quantity == "loss" or quantity.startswith("loss."):
         return "loss"
-    if quantity.startswith("grad."):
+    if quantity.startswith(("grad.", "stage_grad.")):
         return "grad"
     raise KeyError(f"unknown quantity {quantity!r}")
 
@@ -103,6 +119,9 @@ class Outputs:
     values: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
     missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
     not_applicable: str = ""
+    # issue 11: set when the implementation raised (or returned something malformed) at this
+    # point: one line naming the implementation, the point and the exception; `values` empty.
+    error: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", MappingProxyType(dict(self.values)))

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from .compare import CheckResult
 from .matrix import Entry
-from .outputs import EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, kind_of
+from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, kind_of
 
 # 2: "status" (one of the five of harness.outputs.STATUSES) replaces "passed"; "mesh";
 #    summary["statuses"] counts each; headroom kinds are harness.outputs.kind_of's.
@@ -48,6 +48,8 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "total": result.total,
         "excused_ties": int(result.stats.get("excused", 0)),
         "note": result.note,
+        # issue 11: where the computation first went wrong (failed entries, live reference)
+        "first_divergence": result.stats.get("first_divergence"),
         "message": result.message,
     }
 
@@ -62,7 +64,8 @@ def _ratio(rec: dict) -> float:
 
 
 def _failed(rec: dict) -> bool:
-    return rec["status"] == FAILED
+    """Failed or errored (a plug-in that raised at the point): either fails the run."""
+    return rec["status"] in (FAILED, ERROR)
 
 
 def _judged(rec: dict) -> bool:
@@ -113,6 +116,7 @@ def summarise(records: list[dict]) -> dict:
         "checks": len(records),
         "statuses": statuses,  # every check in exactly one of the five
         "failed": statuses[FAILED],
+        "errors": statuses[ERROR],  # issue 11: points where the implementation raised
         "failed_entries": len({r["id"] for r in records if _failed(r)}),
         # never dropped, never passed: counted, with every id in results and the reasons here
         "not_applicable": statuses[NOT_APPLICABLE],
@@ -188,7 +192,7 @@ def write_reports(records: list[dict], meta: dict, out_dir: str) -> dict[str, st
 
 def markdown(records: list[dict], meta: dict, summary: dict) -> str:
     header, rows = table(records)
-    status = "PASS" if summary["failed"] == 0 else f"FAIL ({summary['failed_entries']} entries)"
+    status = "PASS" if summary["failed"] + summary["errors"] == 0 else f"FAIL ({summary['failed_entries']} entries)"
     hr_header, hr_rows = headroom_table(summary)
     hr = summary["headroom"]
     na_lines = [f"- {n} checks {reason}" for reason, n in summary["not_applicable_reasons"].items()]

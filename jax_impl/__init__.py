@@ -6,7 +6,7 @@ vmap, shard_map; shapes and dtypes checked while tracing); values are checked on
 by `validate_inputs` (or inside jit by `checkify_inputs`). No torch here.
 """
 
-from .api import indexer_forward, indexer_loss, indexer_loss_and_grads, indexer_parity_bundle
+from .api import STAGES, forward_stages, indexer_forward, indexer_loss, indexer_loss_and_grads, indexer_parity_bundle, score_stage
 from .config import DTYPES, CSAConfig, resolve_dtype
 from .module import CSAIndexer
 from .validate import PARAM_NAMES, checkify_inputs, validate_inputs, validate_params
@@ -15,6 +15,8 @@ __all__ = [
     "CSAConfig",
     "CSAIndexer",
     "DTYPES",
+    "STAGES",
+    "forward_stages",
     "PARAM_NAMES",
     "checkify_inputs",
     "indexer_forward",
@@ -22,6 +24,7 @@ __all__ = [
     "indexer_loss_and_grads",
     "indexer_parity_bundle",
     "resolve_dtype",
+    "score_stage",
     "validate_inputs",
     "validate_params",
 ]

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import CSAConfig, resolve_dtype
-from .loss import kl_loss
-from .pooling import compress_keys
+from .loss import kl_loss, loss_keep, student_log_probs, teacher_distribution, teacher_inputs
+from .pooling import compress_keys, compress_parts
 from .precision import round_to
 from . import query_blocks
-from .scoring import block_validity, head_weights, mask_scores, raw_scores, topk_indices
+from .scoring import queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
 from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check_params, check_selection
 
 
@@ -186,3 +186,46 @@ def indexer_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, selection)
     (docs/API.md): it exists to compile once instead of four times per matrix point."""
     args = prepare_arguments(params, inputs, cfg, dtype, selection)
     return _bundle_jit(*args, cfg, dtype)
+
+
+STAGES = ("pooled", "keys", "queries", "head_weights", "scores", "teacher", "student")
+
+
+def score_stage(q, keys, head_weights):
+    """The scoring stage on its own: sum_h w[b,s,h] * relu(q[b,s,h] . K[b,j]) * DI**-0.5,
+    [B, S, W]; q [B, S, HI, DI], keys [B, W, DI], head_weights [B, S, HI], all wide."""
+    return head_contribution(q, keys, head_weights) * (q.shape[-1] ** -0.5)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))
+def _stages_jit(params, inputs, selection, cfg, dtype_name):
+    dtype, wide = resolve_dtype(dtype_name)
+    p = {k: round_to(v, dtype) for k, v in params.items()}
+    x = round_to(inputs["hidden_states"], dtype)
+    q_latent = round_to(inputs["q_latent"], dtype)
+    pos, seg = inputs["position_ids"], inputs["segment_ids"]
+    keys, pooled = compress_parts(x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"],
+                                  p["indexer.kv_norm"], cfg, wide)
+    hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
+    q = queries(q_latent, p["indexer.wq_b"], pos, cfg.index_n_heads, cfg, wide)
+    scores = score_stage(q.astype(wide), keys.astype(wide), hw)
+    valid = block_validity(pos, seg, cfg, x.shape[1])
+    masked = mask_scores(scores, valid)
+    topk = topk_indices(masked, valid, cfg.index_topk)
+    keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, selection)
+    tq, tkv = teacher_inputs(inputs["teacher_query"], inputs["teacher_kv"], dtype, wide)
+    t = teacher_distribution(tq, tkv, keep, valid_tok, 0)
+    log_p = student_log_probs(masked, keep, valid_tok, cfg.sparse_loss)
+    return {"pooled": pooled, "keys": keys, "queries": q, "head_weights": hw, "scores": scores,
+            "teacher": t, "student": log_p}
+
+
+def forward_stages(params, inputs, cfg: CSAConfig, dtype: str, selection=None):
+    """The forward intermediates, in data-flow order (STAGES), from the native path (no
+    chunking): the pooled vectors before the norm, the compressed keys, the queries after
+    RoPE, the head weights, the raw (unmasked) scores, the teacher distribution and the
+    student log-probabilities (of `cfg.sparse_loss`, `selection` imposing the sparse picks).
+    The harness's first-diverging-stage diagnosis compares them with torch_ref's."""
+    args = prepare_arguments(params, inputs, cfg, dtype, selection)
+    wide_params, float_inputs, int_inputs, sel = args
+    return _stages_jit(wide_params, {**float_inputs, **int_inputs}, sel, cfg, dtype)

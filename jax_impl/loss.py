@@ -83,13 +83,19 @@ def teacher_inputs(teacher_query, teacher_kv, dtype, wide):
     return tq, tkv
 
 
-def kl_per_token(masked_scores, keep, valid_tok, t, sparse_loss: bool):
-    """kl[b, s] = KL(T || softmax(student)) per row, 0 on rows with no valid block."""
+def student_log_probs(masked_scores, keep, valid_tok, sparse_loss: bool):
+    """The student's log-probabilities [B, S, W] (wide): MASK outside `keep` in sparse mode,
+    0 on rows with no valid block."""
     z = masked_scores
     if sparse_loss:
         z = jnp.where(keep, z, MASK)
     z = jnp.where(valid_tok[..., None], z, 0.0)
-    log_p = jnp.where(valid_tok[..., None], jax.nn.log_softmax(z, axis=-1), 0.0)
+    return jnp.where(valid_tok[..., None], jax.nn.log_softmax(z, axis=-1), 0.0)
+
+
+def kl_per_token(masked_scores, keep, valid_tok, t, sparse_loss: bool):
+    """kl[b, s] = KL(T || softmax(student)) per row, 0 on rows with no valid block."""
+    log_p = student_log_probs(masked_scores, keep, valid_tok, sparse_loss)
 
     positive = t > 0
     # Double `where`: the unselected branch must not be inf/NaN, or its (zero)

@@ -36,6 +36,11 @@ def compress_keys(x, position_ids, wkv, wgate, ape, kv_norm, cfg, wide):
     x: [B, S, E] already in the compute dtype; weights already in it too
     (kv_norm may be wide: it scales a wide-dtype value).
     """
+    return compress_parts(x, position_ids, wkv, wgate, ape, kv_norm, cfg, wide)[0]
+
+
+def compress_parts(x, position_ids, wkv, wgate, ape, kv_norm, cfg, wide):
+    """(K [B, W, DI] in the compute dtype, the pooled vectors before the norm [B, W, DI] wide)."""
     b, s, _ = x.shape
     m, di = cfg.compress_ratio, cfg.index_head_dim
     w = cfg.num_blocks(s)
@@ -62,5 +67,5 @@ def compress_keys(x, position_ids, wkv, wgate, ape, kv_norm, cfg, wide):
     ms = jnp.mean(pooled * pooled, axis=-1, keepdims=True)
     normed = kv_norm.astype(wide) * pooled / jnp.sqrt(ms + cfg.norm_eps)
     keys = round_to(normed, x.dtype)
-    return apply_rope(keys, block_positions(position_ids, m, w), cfg.rope_head_dim, cfg.rope_theta, wide)
+    return apply_rope(keys, block_positions(position_ids, m, w), cfg.rope_head_dim, cfg.rope_theta, wide), pooled
 

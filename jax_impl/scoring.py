@@ -54,7 +54,7 @@ def head_weights(x, weights_proj, n_heads: int, wide):
     return project(x, weights_proj, wide).astype(wide) * (n_heads**-0.5)
 
 
-def _queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
+def queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
     """Project and rotate queries for `n_heads` heads: [B, S, n_heads, DI] in the compute dtype."""
     b, s, _ = q_latent.shape
     q = project(q_latent, wq, wide).reshape(b, s, n_heads, cfg.index_head_dim)
@@ -117,14 +117,14 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
     heads, di, chunk = cfg.index_n_heads, cfg.index_head_dim, cfg.indexer_head_chunk
     keys_wide = keys.astype(wide)
     if chunk == 0:
-        q = _queries(q_latent, wq_b, position_ids, heads, cfg, wide)
+        q = queries(q_latent, wq_b, position_ids, heads, cfg, wide)
         acc = _head_contribution(q.astype(wide), keys_wide, hw)
     else:
 
         @jax.checkpoint
         def body(acc, i):
             wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * di), chunk * di, axis=1)
-            q = _queries(q_latent, wq, position_ids, chunk, cfg, wide)
+            q = queries(q_latent, wq, position_ids, chunk, cfg, wide)
             hw_c = jax.lax.dynamic_slice_in_dim(hw, i * chunk, chunk, axis=2)
             return acc + _head_contribution(q.astype(wide), keys_wide, hw_c), None
 

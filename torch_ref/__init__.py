@@ -4,15 +4,17 @@ See SPEC.md §5-8 for the math and docs/API.md for the protocol. Knows nothing o
 """
 
 from .config import DTYPES, CSAConfig, resolve_dtype, validate_inputs, validate_params
-from .reference import indexer_forward, indexer_loss, indexer_loss_and_grads
+from .reference import forward_stages, indexer_forward, indexer_loss, indexer_loss_and_grads, score_stage
 
 __all__ = [
     "CSAConfig",
     "DTYPES",
+    "forward_stages",
     "indexer_forward",
     "indexer_loss",
     "indexer_loss_and_grads",
     "resolve_dtype",
+    "score_stage",
     "validate_inputs",
     "validate_params",
 ]

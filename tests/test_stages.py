@@ -1,0 +1,105 @@
+"""Issue 11: stage plug-ins, partial plug-ins, a plug-in that raises, and the first diverging
+stage of planted mistakes in a copy of jax_impl."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.collect import evaluate
+from harness.matrix import Entry, Point
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.torch
+
+
+def _cli(tmp_path, *args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    out = tmp_path / "rep"
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--out", str(out), "--no-progress",
+                           "--jobs", "1", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    report = json.loads((out / "parity.json").read_text()) if (out / "parity.json").exists() else None
+    return proc, report
+
+
+def test_the_example_scoring_kernel_runs_green_through_the_cli(tmp_path):
+    proc, report = _cli(tmp_path, "--impl", "examples.scores_kernel", "--cases", "tiny", "--dtypes", "float32,bfloat16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    st = report["summary"]["statuses"]
+    # 2 dtypes x 4 stage quantities judged; every pipeline entry of the 2 native points not provided
+    assert st["passed"] == 8 and st["failed"] == 0 and st["error"] == 0
+    assert st["not_provided"] == 52
+
+
+def test_a_forward_only_plugin_runs_green_with_the_losses_not_provided(tmp_path):
+    proc, report = _cli(tmp_path, "--impl", "plugins.stage_plugins:forward_only", "--cases", "tiny",
+                        "--dtypes", "float32", "--ichunks", "0", "--tchunks", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    st = report["summary"]["statuses"]
+    assert st["failed"] == 0 and st["passed"] == 3  # keys, scores, top-k
+    assert st["not_provided"] == 23  # 2 modes x (loss, 6 grads, input_grads) + sparse_at_oracle halves
+
+
+@pytest.mark.parametrize("bug", ["drop_head", "relu_after_sum"])
+def test_a_scoring_kernel_with_a_planted_bug_fails_naming_the_stage(bug):
+    entry = Entry(Point("tiny", "float32"), "stage", "stage.scores", f"plugins.stage_plugins:{bug}")
+    (result,) = evaluate(entry)
+    assert result.status == "failed", result.message
+    assert "stage.scores (oracle): MISMATCH" in result.message
+
+
+def test_a_plugin_that_raises_on_one_case_does_not_stop_the_run(tmp_path):
+    proc, report = _cli(tmp_path, "--impl", "plugins.stage_plugins:raising", "--cases", "tiny,small",
+                        "--dtypes", "float32", "--modes", "forward", "--ichunks", "0", "--tchunks", "0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    recs = report["results"]
+    assert all(r["status"] == "passed" for r in recs if r["case"] == "tiny")
+    errors = [r for r in recs if r["case"] == "small"]
+    assert errors and all(r["status"] == "error" for r in errors)
+    assert ("plug-in plugins.stage_plugins:raising raised at small float32 ichunk=0 tchunk=0: "
+            "ValueError: shape mismatch in my kernel") in errors[0]["message"]
+
+
+# One planted mistake per stage in a copy of jax_impl: (file, old, new, entry mode, quantity, expected line).
+PLANTED = {
+    "pooling": ("pooling.py", "    gate = round_to(gate.astype(wide) + ape.astype(wide), x.dtype)",
+                "    gate = round_to(gate.astype(wide), x.dtype)", "forward", "index_scores",
+                "first diverges at pooled"),
+    "rope": ("scoring.py", "apply_rope(q, position_ids[:, :, None],", "apply_rope(q, position_ids[:, :, None] + 1,",
+             "forward", "index_scores", "first diverges at queries"),
+    "head_weights": ("scoring.py", "* (n_heads**-0.5)", "* (n_heads**-1.0)", "forward", "index_scores",
+                     "first diverges at head_weights"),
+    "scores": ("scoring.py", "    return jnp.sum(hw[..., None] * jax.nn.relu(logits), axis=2)",
+               "    return jnp.sum(hw[..., None] * logits, axis=2)", "forward", "index_scores",
+               "first diverges at scores"),
+    "teacher": ("loss.py", "    return t / (jnp.sum(t, axis=-1, keepdims=True) + EPS)",
+                "    return t / (jnp.sum(t, axis=-1, keepdims=True) + 1.0)", "dense", "loss",
+                "first diverges at teacher"),
+    "student": ("loss.py", "jax.nn.log_softmax(z, axis=-1)", "jax.nn.log_softmax(1.01 * z, axis=-1)", "dense",
+                "loss", "first diverges at student"),
+    "backward": ("scoring.py", "    dhw = jnp.sum(q * mk, axis=-1)", "    dhw = 1.01 * jnp.sum(q * mk, axis=-1)",
+                 "dense", "grad.indexer.weights_proj", "the forward agrees"),
+}
+
+
+@pytest.mark.parametrize("stage", list(PLANTED))
+def test_a_planted_mistake_names_its_first_diverging_stage(stage, tmp_path, monkeypatch):
+    file, old, new, mode, quantity, expected = PLANTED[stage]
+    name = f"csa_planted_{stage}"
+    shutil.copytree(ROOT / "jax_impl", tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    src = (tmp_path / name / file).read_text()
+    assert src.count(old) == 1, old
+    (tmp_path / name / file).write_text(src.replace(old, new))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    results = evaluate(Entry(Point("tiny", "float64"), mode, quantity, name))
+    failed = [r for r in results if r.failed]
+    assert failed, [r.message for r in results]
+    assert expected in failed[0].message, failed[0].message
+    assert failed[0].stats["first_divergence"].startswith(expected)
