@@ -76,7 +76,10 @@ class CheckResult:
 
     @property
     def failed(self) -> bool:
-        return self.status == FAILED
+        """The check fails the run: a mismatch, or the implementation raised at the point
+        (`error`, issue 11). The matrix, the sharded slice and the mutation worker read this,
+        so an exception is never a pass."""
+        return self.status in (FAILED, ERROR)
 
     @property
     def ratio(self) -> float:

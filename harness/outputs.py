@@ -1,5 +1,5 @@
 """The one vocabulary: canonical quantity names, the `Outputs` every implementation
-returns, and the five statuses a check can end in.
+returns, and the six statuses a check can end in.
 
 Canonical names (the keys of `Outputs.values`, of the fixture goldens, of everything
 between an implementation and the judge):

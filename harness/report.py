@@ -14,9 +14,11 @@ from .compare import CheckResult
 from .matrix import Entry
 from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, kind_of
 
-# 2: "status" (one of the five of harness.outputs.STATUSES) replaces "passed"; "mesh";
+# 2: "status" (one of harness.outputs.STATUSES) replaces "passed"; "mesh";
 #    summary["statuses"] counts each; headroom kinds are harness.outputs.kind_of's.
-JSON_SCHEMA_VERSION = 2
+# 3 (issue 11): status "error" and summary["errors"]; results carry "first_divergence"; mode
+#    "stage" and quantities stage.<stage> / stage_grad.<stage>.<input> for stage plug-ins.
+JSON_SCHEMA_VERSION = 3
 COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "loss", "grad", "input_grads")
 
 
@@ -39,7 +41,7 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "impl": entry.impl,
         "quantity": entry.quantity,
         "check": result.check,
-        "status": result.status,  # passed | failed | excused | not_provided | not_applicable
+        "status": result.status,  # passed | failed | excused | not_provided | not_applicable | error
         "error": _finite_or_str(result.error),
         "bound": result.bound,
         "ratio": _finite_or_str(ratio),
@@ -114,7 +116,7 @@ def summarise(records: list[dict]) -> dict:
     return {
         "entries": len({r["id"] for r in records}),
         "checks": len(records),
-        "statuses": statuses,  # every check in exactly one of the five
+        "statuses": statuses,  # every check in exactly one status
         "failed": statuses[FAILED],
         "errors": statuses[ERROR],  # issue 11: points where the implementation raised
         "failed_entries": len({r["id"] for r in records if _failed(r)}),

@@ -125,7 +125,7 @@ def test_default_precision_profile_only_raises_float32_floors():
         tolerance.floor("float32", "loss", "fast")
 
 
-def test_a_check_result_takes_only_the_five_statuses():
+def test_a_check_result_takes_only_the_known_statuses():
     from harness.compare import CheckResult
 
     with pytest.raises(ValueError, match=r"^CheckResult status=True is not one of passed, failed, excused, "

@@ -1,4 +1,4 @@
-"""The judge on arrays it is handed (no JAX, no torch): the five statuses, one message
+"""The judge on arrays it is handed (no JAX, no torch): the statuses, one message
 template per kind of check, partial plug-ins, and the reports counting every status."""
 
 from __future__ import annotations

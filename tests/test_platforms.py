@@ -85,7 +85,8 @@ def test_reports_count_and_list_not_applicable_apart_from_passed_and_failed(tmp_
         records.append(report.record(e, r))
     summary = report.summarise(records)
     assert summary["failed"] == 0 and summary["not_applicable"] == 2
-    assert summary["statuses"] == {"passed": 2, "failed": 0, "excused": 0, "not_provided": 0, "not_applicable": 2}
+    assert summary["statuses"] == {"passed": 2, "failed": 0, "excused": 0, "not_provided": 0, "not_applicable": 2,
+                                   "error": 0}
     assert summary["not_applicable_reasons"] == {label: 2}
     assert "float64" not in summary["worst_ratio_by_dtype"]
     assert summary["headroom"]["above_half"] == 2

@@ -103,3 +103,10 @@ def test_a_planted_mistake_names_its_first_diverging_stage(stage, tmp_path, monk
     assert failed, [r.message for r in results]
     assert expected in failed[0].message, failed[0].message
     assert failed[0].stats["first_divergence"].startswith(expected)
+
+
+def test_an_error_fails_the_matrix_like_a_mismatch():
+    """A raising implementation is never a pass: `CheckResult.failed` is what the matrix test,
+    the sharded slice and the mutation worker read, and it covers the error status."""
+    results = evaluate(Entry(Point("small", "float32"), "forward", "index_scores", "plugins.stage_plugins:raising"))
+    assert results and all(r.status == "error" and r.failed and not r.passed for r in results)
