@@ -63,9 +63,10 @@ test: $(STAMP)
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
-# The jax 0.12 leg (Python 3.12, no torch): the matrix's ci sample judged against the fixture
-# goldens, then the layer and API tests; tests that need torch skip (CSA_PARITY_NO_TORCH=1
+# The jax 0.12 leg (Python 3.12, no torch): the default matrix (SAMPLE312=ci for the ci sample)
+# judged against the fixture goldens, then the layer and API tests; tests that need torch skip (CSA_PARITY_NO_TORCH=1
 # says this leg has none on purpose; anywhere else a missing torch fails them).
+SAMPLE312 ?= default
 TEST312_FILES := tests/test_bad_inputs.py tests/test_cases.py tests/test_cli.py tests/test_compare.py \
 	tests/test_judge.py tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
 	tests/test_traceable.py tests/test_grad_checks.py tests/test_training.py
@@ -74,7 +75,7 @@ test312: $(STAMP312)
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
 	export JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296 && \
-	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE) --out reports-py312 --no-progress && \
+	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --out reports-py312 --no-progress && \
 	CSA_PARITY_NO_TORCH=1 $(BIN312)/python -m pytest -n $(XDIST) --durations=10 $(TEST312_FILES)
 
 check-fixtures: $(STAMP)
