@@ -30,7 +30,7 @@ hour on 2 cores; the `full` sample restores it for a long run):
 Three samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest):
 - `default` (the rules above; `csa-parity run` and `make parity`): 2447 entries, 137
   compiled programs, about 7 minutes of one process on this project's 2-core machine.
-- `ci` (what `make test` runs, so that `.ci/run` stays under 20 minutes):
+- `ci` (what `make test` and `make test312` run, so that `.ci/run` stays under 20 minutes):
   every case in every dtype natively (the jax-vs-torch verdict itself); the combined chunk
   point (both head chunks and the non-dividing query chunk) of every case in two dtypes,
   one narrow and one wide, rotated over the cases so that each dtype holds it on at least 4

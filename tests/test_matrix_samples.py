@@ -1,5 +1,5 @@
-"""The matrix's samples (harness/matrix.py): the `ci` sample that `make test`
-runs is a subset of the default sample that still holds every case in every dtype natively, the
+"""The matrix's samples (harness/matrix.py): the `ci` sample that `make test` and
+`make test312` run is a subset of the default sample that still holds every case in every dtype natively, the
 combined chunk point of every case (one narrow and one wide dtype), and every value class of
 every chunk knob on each sweep case. Cheap: no JAX, no compilation."""
 
