@@ -180,8 +180,8 @@ def run(args) -> int:
     from .report import format_table, status_line, summarise, table, write_reports
 
     _validate_run_args(args)
-    entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.full,
-                           args.qchunks, sample=args.sample)
+    entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
+                           sample="full" if args.full else args.sample)
     entries = _stage_entries(entries, args.impl)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")

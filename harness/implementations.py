@@ -470,11 +470,11 @@ BUILTIN_SPECS = ("jax", "torch_ref", "goldens")
 
 @functools.lru_cache(maxsize=None)
 def _outputs(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
+    problem = _fixture(case, directory)
     if spec in BUILTIN_SPECS:  # the harness's own sides: a bug there is a traceback
-        return implementation(spec).run(_fixture(case, directory), point)
+        return implementation(spec).run(problem, point)
     # issue 11: a plug-in that raises (or returns something malformed) at a point does not
     # stop the run: the point's result says so, in one line, and every other point runs.
-    problem = _fixture(case, directory)
     try:
         return implementation(spec).run(problem, point)
     except Exception as exc:  # anything the plug-in raises

@@ -38,8 +38,8 @@ Three samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytes
   chunk 1 and HI, teacher chunk 1 and H, the dividing and the non-dividing query chunk
   alone), the dtypes rotated so that each class runs in a different dtype on the two sweep
   cases. 66 programs, 1188 entries. What it leaves out (every other divisor, each class in
-  every dtype) the default sample runs; `tests/test_foundation.py` sweeps every head-chunk
-  divisor of a small problem against native in float32 and bfloat16 in every CI run.
+  every dtype) the default sample runs; in every CI run tests/test_grad_checks.py compares the
+  scoring's custom VJP with plain autodiff at every head-chunk divisor of a small problem.
 - `full`: the whole chunk cross product (about 1400 programs), for a long run.
 """
 
@@ -236,12 +236,10 @@ def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
 
 
 def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None,
-                 impl: str = "jax", full: bool = False, qchunks=None, sample: str = "default") -> list[Entry]:
-    """All entries. None = the sample's choice (`sample`: ci, default or full; `full=True`
-    is `sample="full"`); explicit `ichunks` / `tchunks` / `qchunks` replace the sampled chunk
-    points of every case by their cross product (a missing one counts as [0])."""
-    if full:
-        sample = "full"
+                 impl: str = "jax", qchunks=None, sample: str = "default") -> list[Entry]:
+    """All entries. None = the sample's choice (`sample`: ci, default or full); explicit
+    `ichunks` / `tchunks` / `qchunks` replace the sampled chunk points of every case by their
+    cross product (a missing one counts as [0])."""
     entries = []
     for case in cases or CASES:
         for dtype in dtypes or DTYPES:
