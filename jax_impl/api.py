@@ -28,7 +28,7 @@ from .pooling import compress_keys, compress_parts
 from .precision import round_to
 from . import query_blocks
 from .scoring import queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
-from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check_params, check_selection
+from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check_params, check_selection, teacher_input_names
 
 
 def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=None, prepare_keys=None,
@@ -72,9 +72,7 @@ def _loss_core(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     dtype, wide = resolve_dtype(dtype_name)
     inputs = {**float_inputs, **int_inputs}
     _, masked, valid, topk = forward_parts(params, inputs, cfg, dtype_name)
-    return kl_loss(
-        masked, valid, topk, inputs["teacher_query"], inputs["teacher_kv"], cfg, dtype, wide, selection
-    )
+    return kl_loss(masked, valid, topk, inputs, cfg, dtype, wide, selection)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))
@@ -156,24 +154,23 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     out = {"forward": {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}}
     modes = {"dense": (False, None), "sparse": (True, None), "sparse_at_selection": (True, selection)}
     losses, score_cts, teacher_cts = {}, [], []
+    teacher = {n: float_inputs[n] for n in teacher_input_names(cfg)}
     for mode, (sparse, sel) in modes.items():
         c = dataclasses.replace(cfg, sparse_loss=sparse)
 
-        def head(scores, tq, tkv, c=c, sel=sel):
-            return kl_loss(scores, valid, topk, tq, tkv, c, dtype, wide, sel)
+        def head(scores, teacher, c=c, sel=sel):
+            return kl_loss(scores, valid, topk, {**teacher, **int_inputs}, c, dtype, wide, sel)
 
-        loss, cts = jax.value_and_grad(head, argnums=(0, 1, 2))(
-            masked, float_inputs["teacher_query"], float_inputs["teacher_kv"]
-        )
+        loss, cts = jax.value_and_grad(head, argnums=(0, 1))(masked, teacher)
         losses[mode] = loss
         score_cts.append(cts[0])
-        teacher_cts.append(cts[1:])
+        teacher_cts.append(cts[1])
     param_grads, input_grads = jax.vmap(pullback)(jnp.stack(score_cts))
     for i, mode in enumerate(modes):
         pg = {k: v[i] for k, v in param_grads.items()}
         ig = {k: v[i] for k, v in input_grads.items()}
-        ig["teacher_query"] = ig["teacher_query"] + teacher_cts[i][0]
-        ig["teacher_kv"] = ig["teacher_kv"] + teacher_cts[i][1]
+        for n, g in teacher_cts[i].items():
+            ig[n] = ig[n] + g
         out[mode] = (losses[mode], pg, ig)
     return out
 
@@ -213,8 +210,9 @@ def _stages_jit(params, inputs, selection, cfg, dtype_name):
     masked = mask_scores(scores, valid)
     topk = topk_indices(masked, valid, cfg.index_topk)
     keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, selection)
-    tq, tkv = teacher_inputs(inputs["teacher_query"], inputs["teacher_kv"], dtype, wide)
-    t = teacher_distribution(tq, tkv, keep, valid_tok, 0)
+    native = dataclasses.replace(cfg, loss_head_chunk=0, query_chunk=0)
+    t = teacher_distribution(teacher_inputs(inputs, cfg, dtype, wide), keep, valid_tok, native,
+                             jnp.arange(x.shape[1]), seg)
     log_p = student_log_probs(masked, keep, valid_tok, cfg.sparse_loss)
     return {"pooled": pooled, "keys": keys, "queries": q, "head_weights": hw, "scores": scores,
             "teacher": t, "student": log_p}

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+TEACHER_NORMALISERS = ("joint", "compressed")
+ROPE_SCALING_KEYS = ("type", "factor", "original_max_position", "beta_fast", "beta_slow")
 
 _POSITIVE_INTS = (
     "emb_dim",
@@ -60,6 +62,9 @@ class CSAConfig:
     query_chunk: int = 0
     sparse_loss: bool = False
     loss_scale: float = 1.0
+    sliding_window: int = 0
+    teacher_normaliser: str = "joint"
+    rope_scaling: "YarnScaling | Mapping[str, Any] | None" = None
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS[:4]:
@@ -92,6 +97,13 @@ class CSAConfig:
             raise ValueError(f"loss_scale={self.loss_scale!r} must be a number")
         if not math.isfinite(self.loss_scale):
             raise ValueError(f"loss_scale={self.loss_scale!r} must be finite")
+        if not (_is_int(self.sliding_window) and self.sliding_window >= 0):
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be an int >= 0 (0: no window)")
+        if self.teacher_normaliser not in TEACHER_NORMALISERS:
+            raise ValueError(f"teacher_normaliser={self.teacher_normaliser!r} is not supported "
+                             f"(valid: {', '.join(TEACHER_NORMALISERS)})")
+        # A frozen, hashable value (the config is a static argument of jax.jit).
+        object.__setattr__(self, "rope_scaling", YarnScaling.of(self.rope_scaling))
 
     # -- derived sizes -------------------------------------------------
     def num_blocks(self, seq_len: int) -> int:
@@ -111,7 +123,45 @@ class CSAConfig:
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self)  # rope_scaling comes back as a plain dict (or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """`rope_scaling` of type "yarn" (SPEC section 6), validated; `CSAConfig` holds one (or None)
+    and takes it as a plain dict."""
+
+    type: str
+    factor: float
+    original_max_position: int
+    beta_fast: float
+    beta_slow: float
+
+    @classmethod
+    def of(cls, value: Any) -> "YarnScaling | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"rope_scaling={value!r} must be null or a dict with type 'yarn'")
+        for key in value:
+            if key not in ROPE_SCALING_KEYS:
+                raise ValueError(f"rope_scaling has unknown key {key!r} (valid: {', '.join(ROPE_SCALING_KEYS)})")
+        for key in ROPE_SCALING_KEYS:
+            if key not in value:
+                raise ValueError(f"rope_scaling is missing key {key!r}")
+        if value["type"] != "yarn":
+            raise ValueError(f"rope_scaling type={value['type']!r} is not supported (valid: yarn)")
+        f, length = value["factor"], value["original_max_position"]
+        if not (_is_number(f) and math.isfinite(f) and f >= 1):
+            raise ValueError(f"rope_scaling factor={f!r} must be a finite number >= 1")
+        if not (_is_int(length) and length >= 1):
+            raise ValueError(f"rope_scaling original_max_position={length!r} must be an int >= 1")
+        fast, slow = value["beta_fast"], value["beta_slow"]
+        if not (_is_number(fast) and _is_number(slow) and math.isfinite(fast) and math.isfinite(slow)
+                and fast > slow > 0):
+            raise ValueError(f"rope_scaling beta_fast={fast!r}, beta_slow={slow!r} must satisfy "
+                             "beta_fast > beta_slow > 0")
+        return cls(**{k: value[k] for k in ROPE_SCALING_KEYS})
 
 
 def _check_positive_int(name: str, v: Any) -> None:

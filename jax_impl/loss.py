@@ -1,7 +1,12 @@
 """The CSA indexer KL distillation loss (SPEC section 8), native and teacher-head-chunked.
 
-The teacher distribution T is the head-summed main-attention softmax over the
-compressed blocks, renormalised; the student is the indexer's log-softmax. The
+The teacher distribution T is the main attention's own probability on the compressed
+blocks, summed over heads and renormalised. By default (`teacher_normaliser="joint"`,
+DeepSeek-V4's CSA attention) each head has ONE softmax over its sink logit, the raw tokens
+of its sliding window and the compressed blocks, so a head that looks at its window or sink
+contributes less; `"compressed"` renormalises each head over the blocks alone (every head
+then contributes mass 1). The window is banded: a query reads its n_win window rows only,
+never a [B, S, S] array. The student is the indexer's log-softmax. The
 loss is KL(T || student) averaged over the tokens that have any valid block.
 Nothing differentiates through the teacher (stop-gradient), so its chunked path
 is a plain scan with no checkpoint.
@@ -15,13 +20,55 @@ import numpy as np
 
 from .precision import round_to
 from .scoring import selection_mask
+from .validate import teacher_input_names
 
 MASK = -0.7 * float(np.finfo(np.float32).max)
 EPS = 1e-8
 
 
-def _teacher_probs(tq, teacher_kv, additive_mask):
-    """sum over the heads of tq [B, S, h, D] of softmax_j(tq . teacher_kv[j] + mask): [B, S, W].
+def teacher_inputs(inputs, cfg, dtype, wide) -> dict:
+    """The teacher inputs `cfg` uses, rounded to the compute dtype, widened and detached (they
+    are activations and parameters of the main attention: nothing trains them here)."""
+    return {n: jax.lax.stop_gradient(round_to(inputs[n], dtype).astype(wide)) for n in teacher_input_names(cfg)}
+
+
+def window_of_rows(window_kv, segment_ids, rows, n: int):
+    """What the sliding window of the query rows `rows` ([r] consecutive token indices) needs:
+    (slab [B, r + n - 1, D]: the window keys of rows rows[0] - n + 1 .. rows[-1], read with a
+    clamped gather, so nothing of [B, S, S] size is ever formed; ok [B, r, n] bool: offset t
+    of row i, token rows[i] - t, is in the window: not before the sequence, same document)."""
+    r = rows.shape[0]
+    seq_len = segment_ids.shape[1]
+    slab = jnp.take(window_kv, rows[0] - (n - 1) + jnp.arange(r + n - 1), axis=1, mode="clip")
+    key_rows = rows[:, None] - jnp.arange(n)[None, :]  # [r, n]
+    seg_q = jnp.take(segment_ids, rows, axis=1, mode="clip")  # [B, r]
+    seg_k = jnp.take(segment_ids, jnp.clip(key_rows, 0, seq_len - 1), axis=1)  # [B, r, n]
+    ok = (key_rows >= 0)[None] & (seg_k == seg_q[..., None])
+    return slab, ok
+
+
+def window_logits(tq, slab, ok):
+    """u [B, r, h, n]: each query row's logits against its n window tokens (MASK outside the
+    window). One offset per scan step: row i at offset t reads slab row i + n - 1 - t, so a
+    step holds [B, r, h] and the window is never gathered whole."""
+    r, n = tq.shape[1], ok.shape[-1]
+
+    def step(_, t):
+        kv_t = jax.lax.dynamic_slice_in_dim(slab, n - 1 - t, r, axis=1)  # [B, r, D]
+        return None, jnp.einsum("brhd,brd->brh", tq, kv_t)
+
+    _, u = jax.lax.scan(step, None, jnp.arange(n))  # [n, B, r, h]
+    return jnp.where(ok[:, :, None, :], jnp.moveaxis(u, 0, -1), MASK)
+
+
+def _teacher_probs(tq, teacher_kv, additive_mask, sink=None, window=None):
+    """sum over the heads of tq [B, S, h, D] of each head's probabilities on the compressed
+    blocks, [B, S, W].
+
+    `sink` None: the compressed teacher, a softmax over the blocks alone. Otherwise the joint
+    teacher: ONE normaliser per head over its sink [h], its window logits (`window`: the
+    (slab, ok) of `window_of_rows`, or None without a window) and the blocks; each head's
+    block probabilities then sum to less than 1.
 
     SPEC section 8 replaces the logits of rows with no valid block by 0 before the
     softmax; those rows of T are zeroed afterwards (teacher_distribution), so their
@@ -30,27 +77,45 @@ def _teacher_probs(tq, teacher_kv, additive_mask):
     holds a [B, S, h, W] array.
     """
     a = jnp.einsum("bshd,bwd->bshw", tq, teacher_kv) + additive_mask[:, :, None, :]
-    return jnp.sum(jax.nn.softmax(a, axis=-1), axis=2)
+    if sink is None:
+        return jnp.sum(jax.nn.softmax(a, axis=-1), axis=2)
+    parts = [jnp.broadcast_to(sink[None, None, :, None], (*a.shape[:3], 1)), a]
+    if window is not None:
+        parts.append(window_logits(tq, *window))
+    log_norm = jax.nn.logsumexp(jnp.concatenate(parts, axis=-1), axis=-1, keepdims=True)
+    return jnp.sum(jnp.exp(a - log_norm), axis=2)
 
 
-def teacher_head_sum(teacher_query, teacher_kv, keep, chunk: int):
-    """sum over the heads of teacher_query of the masked teacher softmax, [B, S, W] (wide),
-    not yet renormalised: a sum over any subset of the heads (jax_impl.sharded adds the
-    per-device sums over the `model` mesh axis before `normalise_teacher`).
+def teacher_head_sum(teacher, keep, cfg, rows, segment_ids):
+    """sum over the heads of teacher["teacher_query"] of each head's teacher probabilities on
+    the kept blocks, [B, r, W] (wide), not yet renormalised: a sum over any subset of the heads
+    (jax_impl.sharded adds the per-device sums over the `model` mesh axis before
+    `normalise_teacher`).
 
-    teacher_query [B, S, h, D] and teacher_kv [B, W, D] are already wide.
+    teacher: `teacher_inputs` for the query rows `rows` ([r] token indices): teacher_query
+    [B, r, h, D] (h: the heads at hand), teacher_kv [B, W, D], and for the joint teacher
+    attention_sink [h] and, with a window, teacher_window_kv [B, S, D]; segment_ids [B, S].
+    Heads are walked `cfg.loss_head_chunk` at a time; each chunk computes its own heads'
+    window logits and normalisers.
     """
-    additive_mask = jnp.where(keep, 0.0, MASK).astype(teacher_query.dtype)
+    tq, tkv = teacher["teacher_query"], teacher["teacher_kv"]
+    joint = cfg.teacher_normaliser == "joint"
+    sink = teacher["attention_sink"] if joint else None
+    n = min(cfg.sliding_window, segment_ids.shape[1])
+    window = window_of_rows(teacher["teacher_window_kv"], segment_ids, rows, n) if joint and n else None
+    additive_mask = jnp.where(keep, 0.0, MASK).astype(tq.dtype)
+    chunk = cfg.loss_head_chunk
     if chunk == 0:
-        return _teacher_probs(teacher_query, teacher_kv, additive_mask)
-    heads = teacher_query.shape[2]
+        return _teacher_probs(tq, tkv, additive_mask, sink, window)
+    heads = tq.shape[2]
 
     def body(acc, i):
-        tq = jax.lax.dynamic_slice_in_dim(teacher_query, i * chunk, chunk, axis=2)
-        return acc + _teacher_probs(tq, teacher_kv, additive_mask), None
+        tq_c = jax.lax.dynamic_slice_in_dim(tq, i * chunk, chunk, axis=2)
+        sink_c = None if sink is None else jax.lax.dynamic_slice_in_dim(sink, i * chunk, chunk)
+        return acc + _teacher_probs(tq_c, tkv, additive_mask, sink_c, window), None
 
     # Zeros [B, S, W] typed like the body's output (a shard_map scan needs equal carry types).
-    acc0 = jnp.zeros_like(additive_mask * teacher_query[:, :, :1, 0])
+    acc0 = jnp.zeros_like(additive_mask * tq[:, :, :1, 0])
     t, _ = jax.lax.scan(body, acc0, jnp.arange(heads // chunk))
     return t
 
@@ -61,9 +126,9 @@ def normalise_teacher(t, valid_tok):
     return t / (jnp.sum(t, axis=-1, keepdims=True) + EPS)
 
 
-def teacher_distribution(teacher_query, teacher_kv, keep, valid_tok, chunk: int):
-    """T [B, S, W] (wide): head-summed teacher softmax, renormalised per row."""
-    return normalise_teacher(teacher_head_sum(teacher_query, teacher_kv, keep, chunk), valid_tok)
+def teacher_distribution(teacher, keep, valid_tok, cfg, rows, segment_ids):
+    """T [B, r, W] (wide): the head-summed teacher probabilities, renormalised per row."""
+    return normalise_teacher(teacher_head_sum(teacher, keep, cfg, rows, segment_ids), valid_tok)
 
 
 def loss_keep(valid, topk, sparse_loss: bool, selection=None):
@@ -74,13 +139,6 @@ def loss_keep(valid, topk, sparse_loss: bool, selection=None):
         picks = topk if selection is None else selection
         keep = valid & selection_mask(picks, valid.shape[-1])
     return keep, jnp.any(keep, axis=-1)
-
-
-def teacher_inputs(teacher_query, teacher_kv, dtype, wide):
-    """The teacher activations rounded to the compute dtype, widened, detached."""
-    tq = jax.lax.stop_gradient(round_to(teacher_query, dtype).astype(wide))
-    tkv = jax.lax.stop_gradient(round_to(teacher_kv, dtype).astype(wide))
-    return tq, tkv
 
 
 def student_log_probs(masked_scores, keep, valid_tok, sparse_loss: bool):
@@ -106,17 +164,19 @@ def kl_per_token(masked_scores, keep, valid_tok, t, sparse_loss: bool):
     return jnp.where(valid_tok, jnp.sum(terms, axis=-1), 0.0)
 
 
-def kl_loss(masked_scores, valid, topk, teacher_query, teacher_kv, cfg, dtype, wide, selection=None):
+def kl_loss(masked_scores, valid, topk, inputs, cfg, dtype, wide, selection=None):
     """Scalar loss in the wide dtype.
 
     masked_scores [B, S, W] wide (-inf at invalid blocks), valid [B, S, W] bool,
-    topk [B, S, k_eff] (the indexer's own picks; `selection` overrides them in sparse mode).
+    topk [B, S, k_eff] (the indexer's own picks; `selection` overrides them in sparse mode),
+    inputs: the teacher inputs of `cfg` (as stored) and segment_ids.
     """
     if masked_scores.shape[-1] == 0:
         return jnp.zeros((), wide)
     keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, selection)
-    tq, tkv = teacher_inputs(teacher_query, teacher_kv, dtype, wide)
-    t = jax.lax.stop_gradient(teacher_distribution(tq, tkv, keep, valid_tok, cfg.loss_head_chunk))
+    teacher = teacher_inputs(inputs, cfg, dtype, wide)
+    rows = jnp.arange(masked_scores.shape[1])
+    t = jax.lax.stop_gradient(teacher_distribution(teacher, keep, valid_tok, cfg, rows, inputs["segment_ids"]))
     kl = kl_per_token(masked_scores, keep, valid_tok, t, cfg.sparse_loss)
     count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)
     return cfg.loss_scale * jnp.sum(kl) / count

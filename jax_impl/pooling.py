@@ -67,5 +67,6 @@ def compress_parts(x, position_ids, wkv, wgate, ape, kv_norm, cfg, wide):
     ms = jnp.mean(pooled * pooled, axis=-1, keepdims=True)
     normed = kv_norm.astype(wide) * pooled / jnp.sqrt(ms + cfg.norm_eps)
     keys = round_to(normed, x.dtype)
-    return apply_rope(keys, block_positions(position_ids, m, w), cfg.rope_head_dim, cfg.rope_theta, wide), pooled
+    return apply_rope(keys, block_positions(position_ids, m, w), cfg.rope_head_dim, cfg.rope_theta, wide,
+                      cfg.rope_scaling), pooled
 

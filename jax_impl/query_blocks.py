@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from .config import resolve_dtype
 from .loss import kl_per_token, loss_keep, teacher_distribution
+from .validate import teacher_input_names
 from .pooling import compress_keys
 from .precision import round_to
 from .scoring import head_weights, key_blocks, mask_scores, raw_scores, rows_validity, topk_indices
@@ -139,8 +140,10 @@ def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     if cfg.num_blocks(seq_len) == 0:
         return jnp.zeros((), wide)
     _, keys_wide, blocks = _setup(params, inputs, cfg, dtype_name)
-    # teacher_kv is [B, W, D]: rounded once; teacher_query [B, S, H, D] only per block.
-    tkv = jax.lax.stop_gradient(round_to(inputs["teacher_kv"], dtype).astype(wide))
+    # The teacher inputs are rounded once, but teacher_query [B, S, H, D], only per block (the
+    # block's window reads its own r + n_win - 1 rows of teacher_window_kv: loss.window_of_rows).
+    teacher = {n: jax.lax.stop_gradient(round_to(inputs[n], dtype).astype(wide))
+               for n in teacher_input_names(cfg) if n != "teacher_query"}
     r = block_rows(cfg, seq_len)
 
     @jax.checkpoint
@@ -150,7 +153,8 @@ def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
         keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
         tq = _take_rows(inputs["teacher_query"], rows)
         tq = jax.lax.stop_gradient(round_to(tq, dtype).astype(wide))
-        t = jax.lax.stop_gradient(teacher_distribution(tq, tkv, keep, valid_tok, cfg.loss_head_chunk))
+        t = jax.lax.stop_gradient(teacher_distribution({**teacher, "teacher_query": tq}, keep, valid_tok, cfg,
+                                                       rows, inputs["segment_ids"]))
         kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
         return None, (kl, valid_tok)
 

@@ -58,7 +58,7 @@ def queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
     """Project and rotate queries for `n_heads` heads: [B, S, n_heads, DI] in the compute dtype."""
     b, s, _ = q_latent.shape
     q = project(q_latent, wq, wide).reshape(b, s, n_heads, cfg.index_head_dim)
-    return apply_rope(q, position_ids[:, :, None], cfg.rope_head_dim, cfg.rope_theta, wide)
+    return apply_rope(q, position_ids[:, :, None], cfg.rope_head_dim, cfg.rope_theta, wide, cfg.rope_scaling)
 
 
 def head_contribution_autodiff(q, keys, hw):

@@ -135,6 +135,8 @@ def _input_specs(data_axis, model_axis):
         "segment_ids": P(data_axis),
         "teacher_query": P(data_axis, None, model_axis),
         "teacher_kv": P(data_axis),
+        "teacher_window_kv": P(data_axis),
+        "attention_sink": P(model_axis),  # one per teacher head, split like them
     }
 
 
@@ -164,8 +166,9 @@ def _local_loss(params, float_inputs, int_inputs, selection, cfg, dtype_name, m,
     if masked.shape[-1] == 0:
         return jnp.zeros((), wide)  # W = 0: no block anywhere; as kl_loss
     keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, selection)
-    tq, tkv = teacher_inputs(inputs["teacher_query"], inputs["teacher_kv"], dtype, wide)
-    t = teacher_head_sum(tq, tkv, keep, cfg.loss_head_chunk)  # this device's teacher heads
+    teacher = teacher_inputs(inputs, cfg, dtype, wide)
+    rows = jnp.arange(masked.shape[1])
+    t = teacher_head_sum(teacher, keep, cfg, rows, inputs["segment_ids"])  # this device's teacher heads
     t = jax.lax.stop_gradient(normalise_teacher(jax.lax.psum(t, model_axis), valid_tok))
     kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
     total = jax.lax.psum(jnp.sum(kl), data_axis)

@@ -32,10 +32,20 @@ PARAM_NAMES = (
     "indexer.wq_b",
     "indexer.weights_proj",
 )
-FLOAT_INPUTS = ("hidden_states", "q_latent", "teacher_query", "teacher_kv")
+FLOAT_INPUTS = ("hidden_states", "q_latent", "teacher_query", "teacher_kv", "teacher_window_kv", "attention_sink")
 INT_INPUTS = ("position_ids", "segment_ids")
 INDEXER_INPUTS = ("hidden_states", "q_latent", "position_ids", "segment_ids")
-TEACHER_INPUTS = ("teacher_query", "teacher_kv")
+TEACHER_INPUTS = ("teacher_query", "teacher_kv", "teacher_window_kv", "attention_sink")
+
+
+def teacher_input_names(cfg) -> tuple[str, ...]:
+    """The teacher inputs the loss reads under `cfg` (the only ones it requires): the sink for
+    the joint teacher, and the window keys when it also has a window."""
+    names = ("teacher_query", "teacher_kv")
+    if cfg.teacher_normaliser == "joint":
+        names += ("teacher_window_kv",) if cfg.sliding_window else ()
+        names += ("attention_sink",)
+    return names
 
 
 def param_shapes(cfg) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -61,6 +71,8 @@ def input_shapes(cfg, batch: int, seq: int) -> dict[str, tuple[str, tuple[int, .
         "segment_ids": ("[B, S]", (b, s)),
         "teacher_query": ("[B, S, num_query_heads, head_dim]", (b, s, cfg.num_query_heads, cfg.head_dim)),
         "teacher_kv": ("[B, W, head_dim]", (b, w, cfg.head_dim)),
+        "teacher_window_kv": ("[B, S, head_dim]", (b, s, cfg.head_dim)),
+        "attention_sink": ("[num_query_heads]", (cfg.num_query_heads,)),
     }
 
 
@@ -113,11 +125,11 @@ def check_params(params, cfg) -> dict:
 
 
 def check_inputs(inputs, cfg, teacher: bool = True) -> dict:
-    """Names, ranks, shapes and dtypes of the inputs (the teacher's two only when `teacher`);
-    returns them as arrays. Trace-safe."""
+    """Names, ranks, shapes and dtypes of the inputs (with `teacher`, also the teacher inputs
+    the config's loss reads: `teacher_input_names`); returns them as arrays. Trace-safe."""
     if not isinstance(inputs, dict):
         raise ValueError(f"inputs must be a dict keyed by SPEC names, got {type(inputs).__name__}")
-    names = (*INDEXER_INPUTS, *TEACHER_INPUTS) if teacher else INDEXER_INPUTS
+    names = (*INDEXER_INPUTS, *teacher_input_names(cfg)) if teacher else INDEXER_INPUTS
     for name in (*FLOAT_INPUTS, *INT_INPUTS):
         if name in names and name not in inputs:
             raise ValueError(f"missing input {name!r}")
@@ -161,8 +173,19 @@ def _host(label: str, value) -> np.ndarray:
         ) from None
 
 
+# A sink of -inf is a head without a sink (SPEC section 8): the one float input that may hold it.
+SINK_RULE = "(-inf is allowed: no sink)"
+
+
 def _check_finite(kind: str, name: str, arr: np.ndarray) -> None:
-    finite = np.isfinite(arr.astype(np.float64))
+    wide = arr.astype(np.float64)
+    if name == "attention_sink":
+        bad = np.isnan(wide) | (wide == np.inf)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"{kind}[{name!r}] contains NaN or +Inf at index {where} {SINK_RULE}")
+        return
+    finite = np.isfinite(wide)
     if not finite.all():
         where = tuple(int(i) for i in np.argwhere(~finite)[0])
         raise ValueError(f"{kind}[{name!r}] contains NaN/Inf at index {where}")
@@ -233,7 +256,11 @@ def checkify_inputs(params, inputs, cfg, *, teacher: bool = True) -> None:
     arrays = check_inputs(inputs, cfg, teacher)
     floats.update({f"inputs[{k!r}]": v for k, v in arrays.items() if k in FLOAT_INPUTS})
     for label, arr in floats.items():
-        where = ", ".join(["{}"] * len(arr.shape))
+        where = ", ".join(["{}"] * len(arr.shape)) + ("," if len(arr.shape) == 1 else "")
+        if label == "inputs['attention_sink']":
+            _check_none(checkify, jnp.isnan(arr) | (arr == jnp.inf),
+                        f"{label} contains NaN or +Inf at index ({where}) {SINK_RULE}", lambda *i: i)
+            continue
         _check_none(checkify, ~jnp.isfinite(arr), f"{label} contains NaN/Inf at index ({where})", lambda *i: i)
     pos, seg = arrays["position_ids"], arrays["segment_ids"]
     _check_none(checkify, pos < 0, "inputs['position_ids'] has a negative position {} at (b, s)=({}, {})",

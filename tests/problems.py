@@ -6,12 +6,13 @@ import numpy as np
 
 SMALL = dict(
     emb_dim=64, q_lora_rank=32, index_n_heads=8, index_head_dim=32, rope_head_dim=16,
-    compress_ratio=4, index_topk=4, num_query_heads=8, head_dim=32,
+    compress_ratio=4, index_topk=4, num_query_heads=8, head_dim=32, sliding_window=8,
 )
 
 
 def random_problem(cfg: dict, batch: int, seq: int, seed: int = 0, docs: list[list[int]] | None = None):
-    """(params, inputs) as float32/int32 numpy, seeded. `docs[b]` lists document lengths of row b."""
+    """(params, inputs) as float32/int32 numpy, seeded, with every input of SPEC section 4
+    (the joint teacher's too). `docs[b]` lists document lengths of row b."""
     rng = np.random.default_rng(seed)
     e, r, hi, di = cfg["emb_dim"], cfg["q_lora_rank"], cfg["index_n_heads"], cfg["index_head_dim"]
     m, h, d = cfg["compress_ratio"], cfg["num_query_heads"], cfg["head_dim"]
@@ -46,4 +47,8 @@ def random_problem(cfg: dict, batch: int, seq: int, seed: int = 0, docs: list[li
         "teacher_query": normal(batch, seq, h, d, scale=d**-0.5 * 3.0),
         "teacher_kv": normal(batch, seq // m, d),
     }
+    # Drawn last, so the draws above are the same with or without them: the joint teacher's
+    # window keys (every token, shared by the heads) and per-head sink logits.
+    inputs["teacher_window_kv"] = normal(batch, seq, d)
+    inputs["attention_sink"] = normal(h)
     return params, inputs
