@@ -4,7 +4,8 @@ See SPEC.md §5-8 for the math and docs/API.md for the protocol. Knows nothing o
 """
 
 from .config import DTYPES, CSAConfig, resolve_dtype, validate_inputs, validate_params
-from .reference import forward_stages, indexer_forward, indexer_loss, indexer_loss_and_grads, score_stage
+from .reference import (forward_stages, indexer_forward, indexer_loss, indexer_loss_and_grads,
+                        score_stage, yarn_bounds)
 
 __all__ = [
     "CSAConfig",
@@ -17,4 +18,5 @@ __all__ = [
     "score_stage",
     "validate_inputs",
     "validate_params",
+    "yarn_bounds",
 ]

@@ -49,6 +49,38 @@ def _chunk_message(name: str, value: Any, heads_name: str, heads: int) -> str:
     return f"{name}={value!r} must divide {heads_name}={heads} (valid: {valid})"
 
 
+TEACHER_NORMALISERS = ("joint", "compressed")
+ROPE_SCALING_KEYS = ("type", "factor", "original_max_position", "beta_fast", "beta_slow")
+
+
+def _is_finite_number(v: Any) -> bool:
+    return _is_number(v) and math.isfinite(v)
+
+
+def _check_rope_scaling(v: Any) -> None:
+    """SPEC §1/§6: null or {"type": "yarn", factor, original_max_position, beta_fast, beta_slow}."""
+    if not isinstance(v, Mapping):
+        raise ValueError(f"rope_scaling={v!r} must be null or a dict with type 'yarn'")
+    for k in v:
+        if k not in ROPE_SCALING_KEYS:
+            raise ValueError(f"rope_scaling has unknown key {k!r} "
+                             f"(valid: {', '.join(ROPE_SCALING_KEYS)})")
+    for k in ROPE_SCALING_KEYS:
+        if k not in v:
+            raise ValueError(f"rope_scaling is missing key {k!r}")
+    t, f, L0 = v["type"], v["factor"], v["original_max_position"]
+    bf, bs = v["beta_fast"], v["beta_slow"]
+    if not (isinstance(t, str) and t == "yarn"):
+        raise ValueError(f"rope_scaling type={t!r} is not supported (valid: yarn)")
+    if not (_is_finite_number(f) and f >= 1):
+        raise ValueError(f"rope_scaling factor={f!r} must be a finite number >= 1")
+    if not (_is_int(L0) and L0 >= 1):
+        raise ValueError(f"rope_scaling original_max_position={L0!r} must be an int >= 1")
+    if not (_is_finite_number(bf) and _is_finite_number(bs) and bf > bs > 0):
+        raise ValueError(f"rope_scaling beta_fast={bf!r}, beta_slow={bs!r} "
+                         "must satisfy beta_fast > beta_slow > 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class CSAConfig:
     """The CSA indexer configuration (SPEC §1), validated on construction."""
@@ -69,6 +101,10 @@ class CSAConfig:
     query_chunk: int = 0
     sparse_loss: bool = False
     loss_scale: float = 1.0
+    sliding_window: int = 0
+    teacher_normaliser: str = "joint"
+    # A plain dict (or None). Left out of the hash (a dict has none); equality still compares it.
+    rope_scaling: Any = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         # Checked in field order; the first violation raises.
@@ -110,6 +146,17 @@ class CSAConfig:
                     raise ValueError(f"loss_scale={v!r} must be a number")
                 if not math.isfinite(v):
                     raise ValueError(f"loss_scale={v!r} must be finite")
+            elif name == "sliding_window":
+                if not (_is_int(v) and v >= 0):
+                    raise ValueError(f"sliding_window={v!r} must be an int >= 0 (0: no window)")
+            elif name == "teacher_normaliser":
+                if not (isinstance(v, str) and v in TEACHER_NORMALISERS):
+                    raise ValueError(f"teacher_normaliser={v!r} is not supported "
+                                     f"(valid: {', '.join(TEACHER_NORMALISERS)})")
+            elif name == "rope_scaling":
+                if v is not None:
+                    _check_rope_scaling(v)
+                    object.__setattr__(self, "rope_scaling", dict(v))  # a plain copy
             else:  # the positive int fields
                 if not _is_int(v):
                     raise ValueError(f"{name}={v!r} must be an int")
@@ -130,16 +177,34 @@ class CSAConfig:
         return cls(**dict(d))
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if d["rope_scaling"] is not None:
+            d["rope_scaling"] = dict(d["rope_scaling"])
+        return d
 
 
 # --------------------------------------------------------------------------- inputs
 
-_FLOAT_INPUTS = ("hidden_states", "q_latent", "teacher_query", "teacher_kv")
+_FLOAT_INPUTS = ("hidden_states", "q_latent", "teacher_query", "teacher_kv",
+                 "teacher_window_kv", "attention_sink")
 _INT_INPUTS = ("position_ids", "segment_ids")
 INPUT_NAMES = ("hidden_states", "q_latent", "position_ids", "segment_ids",
-               "teacher_query", "teacher_kv")
-TEACHER_INPUTS = ("teacher_query", "teacher_kv")
+               "teacher_query", "teacher_kv", "teacher_window_kv", "attention_sink")
+TEACHER_INPUTS = ("teacher_query", "teacher_kv", "teacher_window_kv", "attention_sink")
+# The joint teacher's inputs (SPEC §4, §8): needed only when the config uses them.
+JOINT_INPUTS = ("teacher_window_kv", "attention_sink")
+
+
+def used_joint_inputs(cfg: "CSAConfig") -> tuple[str, ...]:
+    """The joint teacher's inputs the loss of `cfg` reads: attention_sink under the joint
+    normaliser, and teacher_window_kv too when it has a sliding window."""
+    if cfg.teacher_normaliser != "joint":
+        return ()
+    if cfg.sliding_window > 0:
+        return ("teacher_window_kv", "attention_sink")
+    return ("attention_sink",)
+
+
 PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm",
                "indexer.wq_b", "indexer.weights_proj")
 
@@ -215,24 +280,43 @@ def validate_selection(selection: Any, B: int, S: int, k_eff: int, W: int) -> No
         )
 
 
+def _check_sink(label: str, t: torch.Tensor) -> None:
+    """attention_sink: floating; -inf (no sink for that head) allowed, NaN and +inf not."""
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{label} has dtype {_dtype_name(t)}; expected a floating dtype")
+    bad = torch.isnan(t) | (t == float("inf"))
+    if bool(bad.any()):
+        raise ValueError(f"{label} contains NaN or +Inf at index {_first_index(bad)} "
+                         "(-inf is allowed: no sink)")
+
+
 def validate_inputs(inputs: Mapping[str, Any], cfg: CSAConfig, *,
                     require_teacher: bool = True) -> None:
     """Check the inputs of SPEC §4; the first problem raises ValueError.
 
     Phases, each over the inputs in a fixed order: presence (hidden_states,
-    q_latent, teacher_query, teacher_kv, position_ids, segment_ids); the rank
-    of hidden_states, which gives B and S; shapes (SPEC §4 order); float
-    inputs floating and finite; position/segment ids of an integer dtype;
-    positions >= 0; positions never decreasing inside a document. The teacher
-    inputs are required only when `require_teacher` (the loss); when present
-    they are always checked.
+    q_latent, teacher_query, teacher_kv, teacher_window_kv, attention_sink,
+    position_ids, segment_ids); the rank of hidden_states, which gives B and S;
+    shapes (SPEC §4 order); float inputs floating and finite (attention_sink
+    may hold -inf: no sink); position/segment ids of an integer dtype;
+    positions >= 0; positions never decreasing inside a document.
+
+    teacher_query and teacher_kv are required only when `require_teacher` (the
+    loss); when present they are always checked. teacher_window_kv and
+    attention_sink are required, and checked, only for the loss and only when
+    the config uses them (`used_joint_inputs`); otherwise they are ignored.
     """
     E, R, H, D, m = (cfg.emb_dim, cfg.q_lora_rank, cfg.num_query_heads,
                      cfg.head_dim, cfg.compress_ratio)
+    used = used_joint_inputs(cfg) if require_teacher else ()
+    skipped = tuple(name for name in JOINT_INPUTS if name not in used)
     for name in (*_FLOAT_INPUTS, *_INT_INPUTS):
+        if name in skipped:
+            continue
         if name not in inputs and (require_teacher or name not in TEACHER_INPUTS):
             raise ValueError(f"missing input {name!r}")
-    t = {name: _as_tensor(inputs[name]) for name in INPUT_NAMES if name in inputs}
+    t = {name: _as_tensor(inputs[name]) for name in INPUT_NAMES
+         if name in inputs and name not in skipped}
     hs = t["hidden_states"]
     if hs.ndim != 3:
         raise ValueError(f"inputs['hidden_states'] has shape {tuple(int(d) for d in hs.shape)}; "
@@ -245,13 +329,16 @@ def validate_inputs(inputs: Mapping[str, Any], cfg: CSAConfig, *,
         "segment_ids": (["B", "S"], [B, S]),
         "teacher_query": (["B", "S", "num_query_heads", "head_dim"], [B, S, H, D]),
         "teacher_kv": (["B", "W", "head_dim"], [B, S // m, D]),
+        "teacher_window_kv": (["B", "S", "head_dim"], [B, S, D]),
+        "attention_sink": (["num_query_heads"], [H]),
     }
     for name in INPUT_NAMES:
         if name in t:
             _check_shape(f"inputs[{name!r}]", t[name], *expected[name])
     for name in _FLOAT_INPUTS:
         if name in t:
-            _check_float(f"inputs[{name!r}]", t[name])
+            check = _check_sink if name == "attention_sink" else _check_float
+            check(f"inputs[{name!r}]", t[name])
     for name in _INT_INPUTS:
         if not _is_integer_dtype(t[name]):
             raise ValueError(f"inputs[{name!r}] has dtype {_dtype_name(t[name])}; "

@@ -5,6 +5,11 @@ projections, the pooled keys and the RoPE output; the "wide" dtype (float32,
 or float64 when dtype is float64) carries the gate softmax, RMSNorm, the RoPE
 rotation, the scoring sums, the head weights and the whole loss.
 
+The teacher is the joint one of SPEC §8 (one softmax per head over the sink, the
+sliding window and the compressed blocks) or, with teacher_normaliser
+"compressed", each head renormalised over the blocks alone. RoPE takes YaRN's
+frequencies (SPEC §6) when rope_scaling is set.
+
 Parameters arrive as float32 `[in, out]` arrays under their canonical names.
 They are widened (exactly) to the wide dtype, differentiated with respect to
 that copy, and cast to `dtype` before every use.
@@ -12,15 +17,18 @@ that copy, and cast to `dtype` before every use.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
 
 from .config import (
+    JOINT_INPUTS,
     PARAM_NAMES,
     _as_tensor,
     CSAConfig,
     resolve_dtype,
+    used_joint_inputs,
     validate_inputs,
     validate_params,
     validate_selection,
@@ -42,8 +50,45 @@ def _to_long(v: Any) -> torch.Tensor:
 # --------------------------------------------------------------------------- §6 RoPE
 
 
+def yarn_bounds(cfg: CSAConfig) -> tuple[float, float]:
+    """YaRN's ramp bounds (low, high) over the rotated pairs (SPEC §6), in Python float64.
+
+    corr(beta) = d * ln(L0 / (2 pi beta)) / (2 ln theta) with d = rope_head_dim;
+    low = max(floor(corr(beta_fast)), 0), high = min(ceil(corr(beta_slow)), d - 1),
+    and high += 0.001 when they coincide (the ramp's width must not be 0).
+    """
+    rs = cfg.rope_scaling
+    d, theta = cfg.rope_head_dim, cfg.rope_theta
+    L0 = rs["original_max_position"]
+
+    def corr(beta: float) -> float:
+        return d * math.log(L0 / (2.0 * math.pi * beta)) / (2.0 * math.log(theta))
+
+    low = float(max(math.floor(corr(rs["beta_fast"])), 0))
+    high = float(min(math.ceil(corr(rs["beta_slow"])), d - 1))
+    if low == high:
+        high += 0.001
+    return low, high
+
+
+def inv_freq(cfg: CSAConfig, wide) -> torch.Tensor:
+    """The rotation frequencies of the DR/2 channel pairs, [DR/2] in the wide dtype:
+    theta ** (-2i/DR), blended towards 1/factor of it over YaRN's ramp when rope_scaling
+    is set (no attention factor: cos and sin are never scaled)."""
+    DR = cfg.rope_head_dim
+    i = torch.arange(DR // 2, dtype=wide)
+    base = torch.pow(torch.tensor(cfg.rope_theta, dtype=wide), -(2.0 * i) / DR)
+    if cfg.rope_scaling is None:
+        return base
+    low, high = yarn_bounds(cfg)
+    factor = cfg.rope_scaling["factor"]
+    ramp = torch.clamp((i - low) / (high - low), 0.0, 1.0)
+    return base * (1.0 - ramp) + base / factor * ramp
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, cfg: CSAConfig, dtype, wide) -> torch.Tensor:
-    """Interleaved partial RoPE on the trailing `rope_head_dim` channels.
+    """Interleaved partial RoPE on the trailing `rope_head_dim` channels (YaRN frequencies
+    when cfg.rope_scaling is set).
 
     x: [..., DI] in `dtype`; pos: integer positions broadcastable to x[..., 0]
     (one per row). Rotation in the wide dtype, result cast to `dtype`.
@@ -53,9 +98,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor, cfg: CSAConfig, dtype, wide) -> tor
         return x
     xw = x.to(wide)
     x_pass, x_rot = xw[..., : DI - DR], xw[..., DI - DR:]
-    i = torch.arange(DR // 2, dtype=wide)
-    inv_freq = torch.pow(torch.tensor(cfg.rope_theta, dtype=wide), -(2.0 * i) / DR)
-    angle = pos.to(wide)[..., None] * inv_freq  # [..., DR/2]
+    angle = pos.to(wide)[..., None] * inv_freq(cfg, wide)  # [..., DR/2]
     cos, sin = torch.cos(angle), torch.sin(angle)
     pairs = x_rot.reshape(*x_rot.shape[:-1], DR // 2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
@@ -178,13 +221,33 @@ def topk_indices(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Ten
 # --------------------------------------------------------------------------- §8 loss
 
 
-def kl_loss(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None) -> torch.Tensor:
+def kl_loss(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None, *,
+            seg=None, twkv=None, sink=None) -> torch.Tensor:
     """The KL distillation loss from the raw student scores (wide) and the teacher (wide)."""
-    return kl_parts(raw, valid, tq, tkv, cfg, wide, selection)["loss"]
+    return kl_parts(raw, valid, tq, tkv, cfg, wide, selection, seg=seg, twkv=twkv, sink=sink)["loss"]
 
 
-def kl_parts(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None) -> dict:
-    """The loss's stages: teacher distribution T [B,S,W], student log-probabilities [B,S,W], loss."""
+def window_logits(tq, twkv, seg, n: int) -> torch.Tensor:
+    """The sliding-window logits u [B,H,S,n] (SPEC §8): u[..., s, t] = tq[s] . twkv[s - t]
+    for t = 0..n-1, MASK added where s - t < 0 or token s - t is in another document. Only
+    the band is built: n keys per query, gathered, never an [S, S] array."""
+    B, S = seg.shape
+    r = torch.arange(S)[:, None] - torch.arange(n)[None, :]  # [S, n] token indices s - t
+    rc = r.clamp(min=0)  # gather in range, mask afterwards
+    keys = twkv[:, rc]  # [B, S, n, D]
+    win_valid = (r >= 0)[None] & (seg[:, rc] == seg[:, :, None])  # [B, S, n]
+    u = torch.einsum("bshd,bsnd->bhsn", tq, keys)  # [B, H, S, n]
+    return torch.where(win_valid[:, None], u, u + MASK)
+
+
+def kl_parts(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None, *,
+             seg=None, twkv=None, sink=None) -> dict:
+    """The loss's stages: teacher distribution T [B,S,W], student log-probabilities [B,S,W], loss.
+
+    raw [B,S,W] and valid [B,S,W] from the indexer; the teacher tq [B,S,H,D], tkv [B,W,D],
+    and for the joint teacher sink [H] and (sliding_window > 0) twkv [B,S,D] and the segment
+    ids seg [B,S], all detached, wide.
+    """
     B, S, W = raw.shape
     invalid = ~valid
     if cfg.sparse_loss:
@@ -196,11 +259,28 @@ def kl_parts(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None) -> dict:
     valid_tok = torch.any(~invalid, dim=-1)  # [B, S]
     row = valid_tok[..., None]  # [B, S, 1]
 
-    # Teacher distribution.
+    # Teacher distribution: each head's probabilities on the compressed blocks.
     a = torch.einsum("bshd,bjd->bhsj", tq, tkv)  # [B, H, S, W]
     a = torch.where(invalid[:, None], a + MASK, a)
     a = torch.where(row[:, None], a, torch.zeros_like(a))
-    T = torch.sum(torch.softmax(a, dim=-1), dim=1)  # [B, S, W]
+    if cfg.teacher_normaliser == "compressed":
+        probs = torch.softmax(a, dim=-1)  # each head renormalised over the blocks alone
+    else:
+        # joint: ONE softmax per head over [sink, window tokens, compressed blocks], the main
+        # attention's own distribution; keep its share on the blocks.
+        H = tq.shape[2]
+        if sink is None:
+            raise ValueError("the joint teacher needs attention_sink")
+        logits = [sink.reshape(1, H, 1, 1).expand(B, H, S, 1)]
+        n = min(cfg.sliding_window, S)
+        if n > 0:
+            if twkv is None or seg is None:
+                raise ValueError("the joint teacher with a sliding window needs "
+                                 "teacher_window_kv and segment_ids")
+            logits.append(window_logits(tq, twkv, seg, n))
+        logits.append(a)
+        probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)[..., 1 + n:]  # [B, H, S, W]
+    T = torch.sum(probs, dim=1)  # [B, S, W]
     T = torch.where(row, T, torch.zeros_like(T))
     T = T / (torch.sum(T, dim=-1, keepdim=True) + EPS)
 
@@ -236,9 +316,22 @@ def _prepare(params, inputs, cfg, dtype_name, *, teacher: bool):
     if teacher:
         leaves["teacher_query"] = _to_wide(inputs["teacher_query"], wide).requires_grad_(True)
         leaves["teacher_kv"] = _to_wide(inputs["teacher_kv"], wide).requires_grad_(True)
+        for name in JOINT_INPUTS:  # present: a leaf (zero gradient) even when the config ignores it
+            if name in inputs:
+                leaves[name] = _to_wide(inputs[name], wide).requires_grad_(True)
     pos = _to_long(inputs["position_ids"])
     seg = _to_long(inputs["segment_ids"])
     return p, leaves, pos, seg, dtype, wide
+
+
+def _teacher(leaves, cfg, dtype_t, wide) -> dict:
+    """The teacher inputs the loss reads, rounded to dtype, widened and detached (SPEC §8):
+    tq, tkv, and twkv / sink where the joint teacher uses them (else None)."""
+    names = {"tq": "teacher_query", "tkv": "teacher_kv",
+             "twkv": "teacher_window_kv", "sink": "attention_sink"}
+    read = ("teacher_query", "teacher_kv", *used_joint_inputs(cfg))
+    return {key: leaves[name].to(dtype_t).to(wide).detach() if name in read else None
+            for key, name in names.items()}
 
 
 def indexer_forward(params: Mapping[str, Any], inputs: Mapping[str, Any], cfg: CSAConfig,
@@ -258,10 +351,10 @@ def indexer_forward(params: Mapping[str, Any], inputs: Mapping[str, Any], cfg: C
 def _loss(p, leaves, pos, seg, cfg, dtype_t, wide, selection):
     x = leaves["hidden_states"].to(dtype_t).detach()  # the indexer's stop-gradient
     ql = leaves["q_latent"].to(dtype_t).detach()
-    tq = leaves["teacher_query"].to(dtype_t).to(wide).detach()  # teacher: rounded, detached
-    tkv = leaves["teacher_kv"].to(dtype_t).to(wide).detach()
+    t = _teacher(leaves, cfg, dtype_t, wide)  # teacher: rounded, detached
     _, raw, valid = scores_and_keys(p, x, ql, pos, seg, cfg, dtype_t, wide)
-    return kl_loss(raw, valid, tq, tkv, cfg, wide, selection)
+    return kl_loss(raw, valid, t["tq"], t["tkv"], cfg, wide, selection,
+                   seg=seg, twkv=t["twkv"], sink=t["sink"])
 
 
 def forward_stages(params, inputs, cfg: CSAConfig, dtype: str, selection=None) -> dict[str, torch.Tensor]:
@@ -273,10 +366,10 @@ def forward_stages(params, inputs, cfg: CSAConfig, dtype: str, selection=None) -
         sel = _selection(selection, cfg, inputs)
         x = leaves["hidden_states"].to(dtype_t)
         ql = leaves["q_latent"].to(dtype_t)
-        tq = leaves["teacher_query"].to(dtype_t).to(wide)
-        tkv = leaves["teacher_kv"].to(dtype_t).to(wide)
+        t = _teacher(leaves, cfg, dtype_t, wide)
         parts = indexer_parts(p, x, ql, pos, seg, cfg, dtype_t, wide)
-        loss = kl_parts(parts["scores"], parts["valid"], tq, tkv, cfg, wide, sel)
+        loss = kl_parts(parts["scores"], parts["valid"], t["tq"], t["tkv"], cfg, wide, sel,
+                        seg=seg, twkv=t["twkv"], sink=t["sink"])
     parts.pop("valid")
     return {**parts, "teacher": loss["teacher"], "student": loss["student"]}
 
