@@ -31,31 +31,40 @@ import numpy as np
 
 from .outputs import INPUT_NAMES, PARAM_NAMES  # noqa: F401  (re-exported: the catalogue's names)
 
-# Every CSAConfig field in declaration order, with its default (None = required), except
-# the run-time knob `query_chunk` (issue #13), which a plug-in that predates it need not
+# Every CSAConfig field in declaration order, with its default (REQUIRED: every case gives
+# it), except the run-time knob `query_chunk`, which a plug-in that predates it need not
 # know: the harness passes it per matrix point only when non-zero.
+REQUIRED = object()
 CONFIG_FIELDS: tuple[tuple[str, Any], ...] = (
-    ("emb_dim", None),
-    ("q_lora_rank", None),
-    ("index_n_heads", None),
-    ("index_head_dim", None),
-    ("rope_head_dim", None),
-    ("compress_ratio", None),
-    ("index_topk", None),
-    ("num_query_heads", None),
-    ("head_dim", None),
+    ("emb_dim", REQUIRED),
+    ("q_lora_rank", REQUIRED),
+    ("index_n_heads", REQUIRED),
+    ("index_head_dim", REQUIRED),
+    ("rope_head_dim", REQUIRED),
+    ("compress_ratio", REQUIRED),
+    ("index_topk", REQUIRED),
+    ("num_query_heads", REQUIRED),
+    ("head_dim", REQUIRED),
     ("rope_theta", 160000.0),
     ("norm_eps", 1e-6),
     ("indexer_head_chunk", 0),
     ("loss_head_chunk", 0),
     ("sparse_loss", False),
     ("loss_scale", 1.0),
+    ("sliding_window", 0),
+    ("teacher_normaliser", "joint"),
+    ("rope_scaling", None),
 )
 
 # Run-time knobs, with their defaults: set per matrix point (harness.implementations.run_config),
 # never part of a case or its fixture (they change how a result is computed, not what it is).
 KNOB_DEFAULTS: dict[str, Any] = {"indexer_head_chunk": 0, "loss_head_chunk": 0, "query_chunk": 0,
-                                 "sparse_loss": False}
+                                 "sparse_loss": False, "teacher_normaliser": "joint"}
+# The teachers a fixture can hold goldens for (SPEC section 8): `joint` (every case) and
+# `compressed` (the cases that list it in `Case.teachers`).
+TEACHERS = ("joint", "compressed")
+# DeepSeek-V4's compressed layers (and so its indexer): YaRN from 65,536 positions, factor 16.
+V4_YARN = {"type": "yarn", "factor": 16, "original_max_position": 65536, "beta_fast": 32, "beta_slow": 1}
 KNOB_FIELDS = tuple(KNOB_DEFAULTS)
 # The fields that define a problem: what a case and its fixture hold.
 PROBLEM_FIELDS: tuple[tuple[str, Any], ...] = tuple((n, d) for n, d in CONFIG_FIELDS if n not in KNOB_DEFAULTS)
@@ -79,7 +88,7 @@ def full_config(**fields: Any) -> dict[str, Any]:
     for name, default in PROBLEM_FIELDS:
         if name in fields:
             out[name] = fields[name]
-        elif default is None:
+        elif default is REQUIRED:
             raise ValueError(f"missing config field {name!r}")
         else:
             out[name] = default
@@ -96,10 +105,23 @@ class Case:
     exercises: str
     documents: tuple[tuple[int, ...], ...] | None = None
     tied_blocks: tuple[tuple[str, ...], ...] | None = None
+    # The joint teacher's inputs: the sink logits are normal(mean, std) per head, or -inf for
+    # every head (None: no sink); the window keys are unit-normal times `window_scale`.
+    sink: tuple[float, float] | None = (0.0, 1.0)
+    window_scale: float = 1.0
+    # Positions start here (one document per row): a tail of a long document.
+    position_offset: int = 0
+    # The teachers whose goldens the fixture holds (TEACHERS; joint always).
+    teachers: tuple[str, ...] = ("joint",)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", MappingProxyType(full_config(**dict(self.config))))
         m = self.config["compress_ratio"]
+        if "joint" not in self.teachers or not set(self.teachers) <= set(TEACHERS):
+            raise ValueError(f"case {self.name!r}: teachers={self.teachers!r} must hold 'joint' and only "
+                             f"{', '.join(TEACHERS)}")
+        if self.position_offset and self.documents is not None:
+            raise ValueError(f"case {self.name!r}: position_offset needs one document per row")
         if self.documents is not None:
             if len(self.documents) != self.batch or any(
                 sum(row) != self.seq_len or min(row) < 1 for row in self.documents
@@ -146,6 +168,8 @@ class Case:
             "segment_ids": ((B, S), "int32"),
             "teacher_query": ((B, S, c["num_query_heads"], c["head_dim"]), "float32"),
             "teacher_kv": ((B, self.num_blocks, c["head_dim"]), "float32"),
+            "teacher_window_kv": ((B, S, c["head_dim"]), "float32"),
+            "attention_sink": ((c["num_query_heads"],), "float32"),
         }
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -171,35 +195,47 @@ def _foundation(**over: Any) -> dict[str, Any]:
     return full_config(**base)
 
 
+def _teacher(**over: Any) -> dict[str, Any]:
+    """The joint teacher's cases: tiny's indexer, 4 teacher heads of dim 16 (heads that
+    differ in how much mass their window and sink take), k = 3 of W = 8 blocks."""
+    base = dict(emb_dim=16, q_lora_rank=16, index_n_heads=2, index_head_dim=8, rope_head_dim=4,
+                compress_ratio=4, index_topk=3, num_query_heads=4, head_dim=16)
+    base.update(over)
+    return full_config(**base)
+
+
 _CATALOGUE = (
     Case("tiny", full_config(emb_dim=16, q_lora_rank=16, index_n_heads=2, index_head_dim=8,
                              rope_head_dim=4, compress_ratio=4, index_topk=2,
-                             num_query_heads=2, head_dim=8),
-         batch=1, seq_len=16, seed=1001,
+                             num_query_heads=2, head_dim=8, sliding_window=4),
+         batch=1, seq_len=16, seed=1001, teachers=("joint", "compressed"),
          exercises="the smallest problem with blocks and a top-k boundary: W=4 blocks, k=2, "
-                   "queries with 0..4 valid blocks"),
-    Case("small", _foundation(), batch=2, seq_len=64, seed=1002,
+                   "queries with 0..4 valid blocks; a window of 4 tokens and a sink"),
+    Case("small", _foundation(sliding_window=8), batch=2, seq_len=64, seed=1002,
+         teachers=("joint", "compressed"),
          exercises="the foundation config (B=2, S=64, E=64, R=32, HI=8, DI=32, DR=16, m=4, k=4, "
-                   "H=8, D=32), unpacked"),
-    Case("packed", _foundation(), batch=2, seq_len=64, seed=1003,
-         documents=((21, 43), (32, 13, 19)),
+                   "H=8, D=32), unpacked, with a window of 8 tokens and a sink"),
+    Case("packed", _foundation(sliding_window=16), batch=2, seq_len=64, seed=1003,
+         documents=((21, 43), (32, 13, 19)), teachers=("joint", "compressed"),
          exercises="packed rows of 2 and 3 documents of unequal length: positions restart, "
                    "segment ids change mid-row, blocks 5 (row 0) and 11 (row 1) straddle a "
                    "boundary (never valid), row 1's document at token 32 starts on a block "
-                   "edge (no a-slot carry-over from the previous document)"),
-    Case("ragged", _foundation(), batch=2, seq_len=30, seed=1004,
+                   "edge (no a-slot carry-over from the previous document); the 16-token "
+                   "window reaches back over every boundary and must stop at it"),
+    Case("ragged", _foundation(sliding_window=8), batch=2, seq_len=30, seed=1004,
          exercises="S=30 not a multiple of m=4: W=7, the 2 trailing tokens belong to no block "
-                   "but are queries"),
-    Case("no_blocks", _foundation(), batch=2, seq_len=3, seed=1005,
+                   "but are queries (and window tokens)"),
+    Case("no_blocks", _foundation(sliding_window=2), batch=2, seq_len=3, seed=1005,
          exercises="S=3 < m=4: W=0, every output empty, loss exactly 0, gradients exactly 0"),
-    Case("all_invalid", _foundation(), batch=1, seq_len=8, seed=1006,
+    Case("all_invalid", _foundation(sliding_window=2), batch=1, seq_len=8, seed=1006,
          documents=((3, 3, 2),),
          exercises="W=2 blocks but every block straddles a document boundary: all scores -inf, "
-                   "every pick -1, no token has a valid block, loss 0 without NaN"),
-    Case("topk_wide", _foundation(index_topk=12), batch=2, seq_len=32, seed=1007,
+                   "every pick -1, no token has a valid block, loss 0 without NaN (the window "
+                   "and sink alone never make a row valid)"),
+    Case("topk_wide", _foundation(index_topk=12, sliding_window=8), batch=2, seq_len=32, seed=1007,
          exercises="k=12 >= W=8: k_eff = W, every valid block is picked, sparse loss == dense "
                    "loss, -1 fills the picks beyond the valid blocks"),
-    Case("ties", _foundation(rope_head_dim=0, index_topk=3), batch=2, seq_len=32, seed=1008,
+    Case("ties", _foundation(rope_head_dim=0, index_topk=3, sliding_window=8), batch=2, seq_len=32, seed=1008,
          tied_blocks=(("a", "a", "b", "b", "c", "c", "d", "d"),
                       ("a", "b", "a", "b", "c", "d", "c", "d")),
          exercises="exact score ties on the top-k boundary: blocks come in twins with "
@@ -207,14 +243,45 @@ _CATALOGUE = (
                    "DR=0, so twin keys and scores are bit-identical in every dtype; with k=3 and "
                    "an even number of valid blocks the 3rd and 4th scores are twins, so which "
                    "twin is picked is arbitrary (naive index comparison breaks, sets with "
-                   "tie tolerance do not; twin teacher keys make the sparse loss tie-proof)"),
+                   "tie tolerance do not; twin teacher keys make the sparse loss tie-proof: "
+                   "a query's window and sink do not depend on which twin is picked)"),
     Case("flash_dims", full_config(emb_dim=64, q_lora_rank=16, index_n_heads=64,
                                    index_head_dim=128, rope_head_dim=64, compress_ratio=4,
-                                   index_topk=8, num_query_heads=8, head_dim=128),
+                                   index_topk=8, num_query_heads=8, head_dim=128,
+                                   sliding_window=128, rope_scaling=V4_YARN),
          batch=1, seq_len=64, seed=1009,
          exercises="the DeepSeek-V4-Flash indexer head shapes (HI=64, DI=128, DR=64, m=4) with "
                    "E=64 and R=16 shrunk (real 4096 / 1024) to keep the fixture small, k=8 "
-                   "(real 512) so W=16 still has a boundary, teacher H=8, D=128"),
+                   "(real 512) so W=16 still has a boundary, teacher H=8, D=128; the released "
+                   "model's 128-token window (>= S: every earlier token) and YaRN"),
+    Case("window_only", _teacher(sliding_window=6), batch=1, seq_len=32, seed=1010, sink=None,
+         exercises="a window and NO sink (every sink -inf): an implementation that adds a sink "
+                   "anyway, or takes exp(-inf - -inf), breaks"),
+    Case("sink_only", _teacher(sliding_window=0), batch=1, seq_len=32, seed=1011,
+         exercises="a sink and NO window (n_win = 0): an empty window must add nothing; a window "
+                   "one token too long (the token itself) shows"),
+    Case("window_one", _teacher(sliding_window=1), batch=1, seq_len=32, seed=1012,
+         exercises="n_win = 1: the window is the query token alone (an off-by-one that drops "
+                   "the token itself or adds its predecessor shows)"),
+    Case("window_wide", _teacher(sliding_window=40), batch=2, seq_len=32, seed=1013,
+         exercises="n_win = 40 >= S = 32: every earlier token of the row; a banded slice that "
+                   "wraps around at negative indices, or a window cut at S, breaks"),
+    Case("window_heavy", _teacher(sliding_window=8), batch=1, seq_len=32, seed=1014,
+         sink=(2.0, 1.0), window_scale=4.0,
+         exercises="window logits of spread 4 and a sink around 2 take most of every head's mass: "
+                   "the compressed probabilities are small before the renormalisation (precision "
+                   "of the joint normaliser in every dtype)"),
+    Case("teacher_gap", _teacher(sliding_window=6), batch=2, seq_len=32, seed=1015,
+         sink=(0.0, 4.0), teachers=("joint", "compressed"),
+         exercises="sinks spread over heads (std 4): some heads spend almost nothing on the "
+                   "blocks, others almost everything, so the joint and the compressed teacher "
+                   "differ by a wide margin (the compressed teacher fails the joint check here)"),
+    Case("yarn_tail", _teacher(index_head_dim=64, rope_head_dim=64, sliding_window=8, rope_scaling=V4_YARN),
+         batch=1, seq_len=32, seed=1016, position_offset=69968,
+         exercises="YaRN with DeepSeek-V4's settings (DR=64: ramp from pair 15 to 25) at positions "
+                   "69968..69999, past original_max_position = 65536: the interpolated slow "
+                   "frequencies turn by radians, so a reversed ramp or an mscale shows in every "
+                   "dtype"),
 )
 
 CASES: Mapping[str, Case] = MappingProxyType({c.name: c for c in _CATALOGUE})
@@ -237,7 +304,7 @@ def layout(case: Case) -> tuple[np.ndarray, np.ndarray]:
     for b, lengths in enumerate(docs):
         start = 0
         for i, n in enumerate(lengths):
-            pos[b, start:start + n] = np.arange(n, dtype=np.int32)
+            pos[b, start:start + n] = case.position_offset + np.arange(n, dtype=np.int32)
             seg[b, start:start + n] = i + 1
             start += n
     return pos, seg
@@ -274,6 +341,12 @@ def make_inputs(case: Case) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray
     q_latent = normal((B, S, R))
     teacher_query = normal((B, S, H, D), D ** -0.5)
     teacher_kv = normal((B, W, D))
+    # Drawn after every tensor above, so those keep their bytes.
+    teacher_window_kv = normal((B, S, D), case.window_scale)
+    if case.sink is None:
+        attention_sink = np.full((H,), -np.inf, np.float32)
+    else:
+        attention_sink = normal((H,), case.sink[1]) + np.float32(case.sink[0])
     pos, seg = layout(case)
 
     if case.tied_blocks is not None:
@@ -295,6 +368,8 @@ def make_inputs(case: Case) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray
         "segment_ids": seg,
         "teacher_query": teacher_query,
         "teacher_kv": teacher_kv,
+        "teacher_window_kv": teacher_window_kv,
+        "attention_sink": attention_sink,
     }
     for name, (shape, dt) in case.input_shapes().items():
         assert inputs[name].shape == shape and inputs[name].dtype == dt, name

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--tchunks", type=_csv(int), help="teacher chunk sizes (default: the sampled set)")
     run.add_argument("--qchunks", type=_csv(int), help="query chunk sizes, 0 = all rows (default: the sampled set)")
     run.add_argument("--modes", type=_csv(str), help="forward,dense,sparse (default: all)")
+    run.add_argument("--teachers", type=_csv(str),
+                     help="joint,compressed: the loss's teacher (default: both; compressed on the cases "
+                          "whose fixture holds its goldens)")
     run.add_argument("--sample", default="default", choices=list(SAMPLES),
                      help="which chunk points the matrix samples (harness/matrix.py): default, ci (the "
                      "subset `make test` runs) or full (the whole chunk cross product, slow)")
@@ -81,7 +84,7 @@ def _check_query_chunks(chunks) -> None:
 
 
 def _validate_run_args(args) -> None:
-    from .cases import CASES, get_case
+    from .cases import CASES, TEACHERS, get_case
     from .implementations import load_implementation
     from .matrix import DTYPES
     from .outputs import MODES
@@ -94,6 +97,9 @@ def _validate_run_args(args) -> None:
     for mode in args.modes or []:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not supported (valid: {', '.join(MODES)})")
+    for teacher in args.teachers or []:
+        if teacher not in TEACHERS:
+            raise ValueError(f"teacher={teacher!r} is not supported (valid: {', '.join(TEACHERS)})")
     # The harness's own rules, not the code under test's: --impl may name a plug-in.
     for name in args.cases or list(CASES):
         _check_chunks(name, "indexer_head_chunk", "index_n_heads", args.ichunks)
@@ -171,7 +177,7 @@ def _stage_entries(entries, impl: str):
     if not isinstance(api, StageImplementation):
         return entries
     native = [e for e in entries if not e.point.chunked]
-    points = sorted({e.point for e in native})
+    points = sorted({e.point for e in native if e.point.teacher == "joint"})  # a stage has no teacher
     return native + [Entry(p, STAGE_MODE, q, impl) for p in points for q in stage_quantities(api.stage)]
 
 
@@ -181,7 +187,7 @@ def run(args) -> int:
 
     _validate_run_args(args)
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
-                           sample="full" if args.full else args.sample)
+                           sample="full" if args.full else args.sample, teachers=args.teachers)
     entries = _stage_entries(entries, args.impl)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
@@ -210,7 +216,7 @@ def run(args) -> int:
     finally:
         if progress is not None:
             progress.close()
-    records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["qchunk"], r["mode"], r["quantity"],
+    records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["qchunk"], r["teacher"], r["mode"], r["quantity"],
                                 r["check"]))
     _init_worker(args.precision, fixtures_dir)
     meta = {
@@ -218,7 +224,7 @@ def run(args) -> int:
         "reference": args.reference,
         "tolerance_profile": args.precision,
         "platform": platform_info(args.precision, args.reference),
-        "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes",
+        "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes", "teachers",
                                                     "full", "sample")},
         "wall_s": time.time() - start,
     }

@@ -59,10 +59,10 @@ def collect(entry: Entry, reference: str = "live") -> tuple[Outputs, References]
         return candidate, References(oracle=stage_references(p.case, "float64"),
                                      at_dtype=stage_references(p.case, p.dtype))
     references = References(
-        oracle=outputs(ref, p.case, Point(p.case, "float64")),
-        at_dtype=outputs(ref, p.case, Point(p.case, p.dtype)),
+        oracle=outputs(ref, p.case, Point(p.case, "float64", teacher=p.teacher)),
+        at_dtype=outputs(ref, p.case, Point(p.case, p.dtype, teacher=p.teacher)),
         native=outputs(entry.impl, p.case, p.native) if p.native else None,
-        order_errors=order_errors(p.case, p.dtype),
+        order_errors=order_errors(p.case, p.dtype, p.teacher),
         dims=dims(p.case),
     )
     return candidate, references
@@ -92,12 +92,12 @@ def diagnose(entry: Entry, reference: str = "live", profile: str = "highest") ->
         return GOLDENS_NO_STAGES
     p, sparse = entry.point, entry.mode == "sparse"
     try:
-        candidate = forward_stages(entry.impl, p.case, p.dtype, sparse)
+        candidate = forward_stages(entry.impl, p.case, p.dtype, sparse, p.teacher)
     except Exception as exc:  # a plug-in's forward_stages that raises: say so, keep the result
         return f"first diverging stage unknown: {entry.impl}'s forward_stages raised {type(exc).__name__}: {exc}"
     if candidate is None:
         return f"first diverging stage unknown: {entry.impl} exposes no forward_stages"
-    oracle = forward_stages("torch_ref", p.case, "float64", sparse)
-    at_dtype = forward_stages("torch_ref", p.case, p.dtype, sparse)
+    oracle = forward_stages("torch_ref", p.case, "float64", sparse, p.teacher)
+    at_dtype = forward_stages("torch_ref", p.case, p.dtype, sparse, p.teacher)
     checks = stage_checks(candidate, oracle, at_dtype, p.dtype, policy(profile), dims(p.case))
     return first_divergence(checks, gradient_failed=kind_of(entry.quantity) in ("grad", "loss", "isolation"))

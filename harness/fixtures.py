@@ -46,9 +46,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .cases import CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, Case
+from .cases import CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, TEACHERS, Case
 
-SCHEMA_VERSION = 2  # 2: config without run-time knobs (chunk sizes, sparse_loss)
+SCHEMA_VERSION = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = REPO_ROOT / "fixtures"
 MANIFEST_NAME = "MANIFEST.json"
@@ -65,6 +65,17 @@ VERSION_KEYS = ("torch_version", "numpy_version", "csa_parity_version")
 # dense and sparse-at-oracle loss and gradients. How they are computed: harness.regenerate.
 ORDERR_QUANTITIES = ("compressed_keys", "index_scores", "loss.dense", "loss.sparse_at_oracle",
                      *(f"grad.{variant}.{p}" for variant in ("dense", "sparse_at_oracle") for p in PARAM_NAMES))
+# The names that depend on the teacher: a case that lists the `compressed` teacher also stores
+# them as `golden.<dtype>.compressed.<name>` (and `golden.<dtype>.compressed.orderr.<name>`);
+# the forward quantities are the same for both teachers and stored once.
+TEACHER_FREE = ("compressed_keys", "index_scores", "topk_indices")
+
+
+def teacher_prefix(teacher: str) -> str:
+    """The golden-name prefix of a teacher's loss and gradients: "" (joint) or "compressed."."""
+    if teacher not in TEACHERS:
+        raise ValueError(f"teacher={teacher!r} is not supported (valid: {', '.join(TEACHERS)})")
+    return "" if teacher == "joint" else f"{teacher}."
 
 
 class FixtureError(ValueError):
@@ -97,10 +108,26 @@ class Fixture:
     def golden(self, dtype: str, quantity: str) -> np.ndarray:
         return self.goldens[dtype][quantity]
 
-    def order_errors(self, dtype: str) -> dict[str, float]:
+    def goldens_of(self, dtype: str, teacher: str = "joint") -> dict[str, np.ndarray]:
+        """The goldens of one teacher at `dtype`, under their canonical names (the forward
+        quantities, which both teachers share, included); {} when the case stores none for
+        that teacher. The order errors are kept as `orderr.<name>`."""
+        if teacher not in self.case.teachers:
+            teacher_prefix(teacher)  # an unknown name is an error, not an empty answer
+            return {}
+        prefix = teacher_prefix(teacher)
+        own = {q: v for q, v in self.goldens[dtype].items() if not q.startswith(tuple(f"{t}." for t in TEACHERS))}
+        if not prefix:
+            return own
+        out = {q: v for q, v in own.items() if q in TEACHER_FREE or q.startswith("orderr.") and q[7:] in TEACHER_FREE}
+        out.update({q[len(prefix):]: v for q, v in self.goldens[dtype].items() if q.startswith(prefix)})
+        return out
+
+    def order_errors(self, dtype: str, teacher: str = "joint") -> dict[str, float]:
         """{canonical name: the reference's worst error at `dtype` over K evaluation orders}
-        (the stored `golden.<dtype>.orderr.<name>`; empty for float64)."""
-        return {q[len("orderr."):]: float(v) for q, v in self.goldens[dtype].items() if q.startswith("orderr.")}
+        (the stored `golden.<dtype>.[<teacher>.]orderr.<name>`; empty for float64)."""
+        return {q[len("orderr."):]: float(v) for q, v in self.goldens_of(dtype, teacher).items()
+                if q.startswith("orderr.")}
 
     @property
     def oracle_selection(self) -> np.ndarray:
@@ -127,7 +154,10 @@ def golden_schema(case: Case) -> dict[str, tuple[tuple[int, ...], str, str]]:
     oracle's own top-k as `selection` (docs/API.md): loss.sparse_at_oracle,
     grad.sparse_at_oracle.<param>; and orderr.<name> [] float64 for each name of
     ORDERR_QUANTITIES: the reference's worst error at that dtype over K evaluation orders
-    (issue 14; computed by harness.regenerate.order_errors).
+    (computed by harness.regenerate.order_errors).
+    All of the above is the joint teacher's. For each other teacher the case lists
+    (`Case.teachers`), its loss and gradient goldens and their order errors again, under
+    `golden.<dtype>.<teacher>.<name>`.
     """
     c = case.config
     B, S, W, k = case.batch, case.seq_len, case.num_blocks, case.k_eff
@@ -144,10 +174,16 @@ def golden_schema(case: Case) -> dict[str, tuple[tuple[int, ...], str, str]]:
             for q in ORDERR_QUANTITIES:
                 out[g + f"orderr.{q}"] = ((), "float64", "[] (max error over K evaluation orders)")
         modes = ("dense", "sparse") + (("sparse_at_oracle",) if dt in LOW_DTYPES else ())
-        for mode in modes:
-            out[g + f"loss.{mode}"] = ((), wide, "[] (a scalar)")
-            for p, shape in pshapes.items():
-                out[g + f"grad.{mode}.{p}"] = (shape, wide, f"the shape of {p}")
+        for teacher in case.teachers:
+            t = g + teacher_prefix(teacher)
+            for mode in modes:
+                out[t + f"loss.{mode}"] = ((), wide, "[] (a scalar)")
+                for p, shape in pshapes.items():
+                    out[t + f"grad.{mode}.{p}"] = (shape, wide, f"the shape of {p}")
+            if dt in LOW_DTYPES and teacher != "joint":
+                for q in ORDERR_QUANTITIES:
+                    if q not in TEACHER_FREE:
+                        out[t + f"orderr.{q}"] = ((), "float64", "[] (max error over K evaluation orders)")
     return out
 
 
@@ -158,6 +194,8 @@ _INPUT_DIMS = {
     "segment_ids": "[B, S]",
     "teacher_query": "[B, S, num_query_heads, head_dim]",
     "teacher_kv": "[B, W, head_dim]",
+    "teacher_window_kv": "[B, S, head_dim]",
+    "attention_sink": "[num_query_heads]",
 }
 _PARAM_DIMS = {
     "indexer.wkv": "[emb_dim, 2*index_head_dim]",
@@ -318,6 +356,10 @@ def case_metadata(case: Case) -> dict[str, str]:
         "seq_len": str(case.seq_len),
         "documents": json.dumps(case.documents),
         "tied_blocks": json.dumps(case.tied_blocks),
+        "sink": json.dumps(case.sink),
+        "window_scale": json.dumps(case.window_scale),
+        "position_offset": str(case.position_offset),
+        "teachers": json.dumps(case.teachers),
     }
 
 
@@ -419,6 +461,14 @@ def validate_config(config: Mapping[str, Any]) -> None:
     v = config["loss_scale"]
     if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
         raise ValueError(f"loss_scale={v!r} must be a finite number")
+    v = config["sliding_window"]
+    if not (_is_int(v) and v >= 0):
+        raise ValueError(f"sliding_window={v!r} must be an int >= 0")
+    v = config["rope_scaling"]
+    keys = ("type", "factor", "original_max_position", "beta_fast", "beta_slow")
+    if v is not None and not (isinstance(v, dict) and tuple(sorted(v)) == tuple(sorted(keys))
+                              and v["type"] == "yarn"):
+        raise ValueError(f"rope_scaling={v!r} must be null or a dict of {', '.join(keys)} with type 'yarn'")
 
 
 def load_case(name: str, fixtures_dir: str | os.PathLike | None = None, *,
@@ -529,6 +579,11 @@ def _check_values(case: Case, raw: Mapping[str, RawTensor], shown: str, fix: str
         if not t.dtype_name.startswith(("float", "bfloat")):
             continue
         arr = t.array()
+        if tname == "attention_sink":  # -inf is a head without a sink
+            bad = np.isnan(arr) | (arr == np.inf)
+            if bad.any():
+                fail(tname, arr, bad, "a sink logit is finite or -inf")
+            continue
         if not tname.startswith("golden."):
             bad = ~np.isfinite(arr)
             if bad.any():

@@ -57,7 +57,10 @@ REFERENCES = ("live", "goldens")  # the reference a run is judged against: torch
 PARAM_LAYOUT = {"jax": "[in, out]", "torch": "[in, out]"}
 
 # The run-time knobs a point sets on top of the problem's config (never stored in a fixture).
-KNOBS = ("indexer_head_chunk", "loss_head_chunk", "query_chunk", "sparse_loss")
+KNOBS = ("indexer_head_chunk", "loss_head_chunk", "query_chunk", "sparse_loss", "teacher_normaliser")
+# The teachers a plug-in computes unless it says otherwise (`TEACHERS = ("compressed",)`, say):
+# the SPEC's default. At a point of another teacher its losses are not provided.
+DEFAULT_TEACHERS = ("joint",)
 
 
 class ImplementationError(ValueError):
@@ -80,10 +83,10 @@ class Problem:
 
 def run_config(problem_config: Mapping[str, Any], point: Point, sparse: bool) -> dict[str, Any]:
     """The problem's config plus the point's knobs (plain dict, for any side's from_dict).
-    `query_chunk` (issue #13) is passed only when set, so a plug-in that predates it still
-    runs every point without query chunks."""
+    `query_chunk` is passed only when set, so a plug-in that predates it still runs every
+    point without query chunks."""
     cfg = {**problem_config, "indexer_head_chunk": point.ichunk, "loss_head_chunk": point.tchunk,
-           "sparse_loss": sparse}
+           "sparse_loss": sparse, "teacher_normaliser": point.teacher}
     if point.qchunk:
         cfg["query_chunk"] = point.qchunk
     return cfg
@@ -115,8 +118,16 @@ class ProtocolImplementation:
     def _has(self, attr: str) -> bool:
         return callable(getattr(self.api, attr, None))
 
-    def missing(self) -> dict[str, str]:
+    def teachers(self) -> tuple[str, ...]:
+        """The teachers the plug-in computes: its `TEACHERS`, else the SPEC's default (joint)."""
+        return tuple(getattr(self.api, "TEACHERS", DEFAULT_TEACHERS))
+
+    def missing(self, point: Point | None = None) -> dict[str, str]:
         out = dict(getattr(self.api, "NOT_PROVIDED", {}) or {})
+        if point is not None and point.teacher not in self.teachers():
+            why = (f"{self.name} computes the {' and '.join(self.teachers())} teacher only (its TEACHERS), "
+                   f"not the {point.teacher} one")
+            out.update({"loss.": why, "grad.": why, "input_grad.": why})
         if not self._has("indexer_forward"):
             out.update({q: f"{self.name} has no indexer_forward" for q in FORWARD_QUANTITIES})
         if not self._has("indexer_loss_and_grads"):
@@ -133,7 +144,8 @@ class ProtocolImplementation:
         if callable(validate):
             validate(problem.params, problem.inputs, dense_cfg, selection)
         bundle = getattr(self.api, "indexer_parity_bundle", None)
-        if callable(bundle) and selection is not None:
+        losses = self._has("indexer_loss_and_grads") and point.teacher in self.teachers()
+        if callable(bundle) and selection is not None and losses:
             raw = bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection)
             forward = raw["forward"]
             runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
@@ -141,7 +153,7 @@ class ProtocolImplementation:
             forward, runs = None, {}
             if self._has("indexer_forward"):
                 forward = self.api.indexer_forward(problem.params, problem.inputs, dense_cfg, point.dtype)
-            if self._has("indexer_loss_and_grads"):
+            if losses:
                 sparse_cfg = self.config(run_config(problem.config, point, True))
                 todo = [("dense", dense_cfg, None), ("sparse", sparse_cfg, None)]
                 if selection is not None:
@@ -150,7 +162,7 @@ class ProtocolImplementation:
                     runs[variant] = self.api.indexer_loss_and_grads(problem.params, problem.inputs, cfg,
                                                                     point.dtype, selection=sel)
         values = _canonical(forward, runs)
-        missing = self.missing()
+        missing = self.missing(point)
         values = {k: v for k, v in values.items() if not any(k.startswith(m) for m in missing)}
         if selection is None:
             missing.setdefault("loss.sparse_at_oracle", "no oracle selection was given")
@@ -175,7 +187,7 @@ class ProtocolImplementation:
         raw = sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype, mesh,
                                             problem.oracle_selection)
         runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
-        return Outputs(f"{self.name} mesh {data}x{model}", _canonical(raw["forward"], runs), self.missing())
+        return Outputs(f"{self.name} mesh {data}x{model}", _canonical(raw["forward"], runs), self.missing(point))
 
 
 def load_implementation(spec: str) -> ProtocolImplementation:
@@ -313,23 +325,26 @@ def stage_references(case: str, dtype: str) -> Outputs:
 # --------------------------------------------------------------------------- forward intermediates
 
 
-def forward_stages(spec: str, case: str, dtype: str, sparse: bool = False) -> dict[str, np.ndarray] | None:
+def forward_stages(spec: str, case: str, dtype: str, sparse: bool = False,
+                   teacher: str = "joint") -> dict[str, np.ndarray] | None:
     """The forward intermediates (harness.outputs.FORWARD_STAGES) of implementation `spec`
     (`jax`, a plug-in with `forward_stages`, or `torch_ref`) on `case` at `dtype`, native path;
-    the teacher and student of the dense loss, or (`sparse`) of the sparse loss on the float64
-    oracle's selection. None when the implementation exposes none. Cached per process."""
-    return _forward_stages(spec, case, dtype, sparse, fixtures_dir())
+    the teacher (of `teacher`) and student of the dense loss, or (`sparse`) of the sparse loss on
+    the float64 oracle's selection. None when the implementation exposes none. Cached per process."""
+    return _forward_stages(spec, case, dtype, sparse, teacher, fixtures_dir())
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_stages(spec: str, case: str, dtype: str, sparse: bool, directory) -> dict[str, np.ndarray] | None:
+def _forward_stages(spec: str, case: str, dtype: str, sparse: bool, teacher: str,
+                    directory) -> dict[str, np.ndarray] | None:
     problem = _fixture(case, directory)
     selection = _outputs("torch_ref", case, Point(case, "float64"), directory)["topk_indices"] if sparse else None
-    cfg_dict = run_config(problem.config, Point(case, dtype), sparse)
+    cfg_dict = run_config(problem.config, Point(case, dtype, teacher=teacher), sparse)
     if spec == "torch_ref":
         import torch_ref
 
-        cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in cfg_dict.items() if k not in KNOBS or k == "sparse_loss"})
+        cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in cfg_dict.items()
+                                             if k not in KNOBS or k in ("sparse_loss", "teacher_normaliser")})
         with deterministic_torch():
             raw = torch_ref.forward_stages(problem.params, problem.inputs, cfg, dtype, selection)
     else:
@@ -376,6 +391,7 @@ class TorchReference:
         import torch_ref
 
         cfg = {k: v for k, v in problem.config.items() if k not in KNOBS}
+        cfg["teacher_normaliser"] = point.teacher
         dense = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": False})
         sparse = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": True})
 
@@ -409,15 +425,16 @@ class TorchReference:
 
 @dataclasses.dataclass(frozen=True)
 class Goldens:
-    """The torch outputs stored in the fixture (harness.fixtures.Fixture.goldens)."""
+    """The torch outputs stored in the fixture (harness.fixtures.Fixture.goldens_of): those of
+    the point's teacher."""
 
     name: str = "goldens"
 
     def run(self, problem, point: Point) -> Outputs:
-        goldens = getattr(problem, "goldens", None)
+        goldens = problem.goldens_of(point.dtype, point.teacher) if hasattr(problem, "goldens_of") else {}
         if not goldens:
-            return Outputs(self.name, not_applicable=f"{problem.name} holds no goldens")
-        values = {k: to_numpy(v) if k != "topk_indices" else v for k, v in goldens[point.dtype].items()
+            return Outputs(self.name, not_applicable=f"{problem.name} holds no goldens of the {point.teacher} teacher")
+        values = {k: to_numpy(v) if k != "topk_indices" else v for k, v in goldens.items()
                   if not k.startswith("orderr.")}  # the order errors are the reference's, not outputs
         missing = {"input_grad.": "the fixture stores no input gradients"}
         return Outputs(f"goldens@{point.dtype}", values, missing)
@@ -452,16 +469,16 @@ def fixture(case: str):
     return _fixture(case, fixtures_dir())
 
 
-def order_errors(case: str, dtype: str) -> dict[str, float]:
+def order_errors(case: str, dtype: str, teacher: str = "joint") -> dict[str, float]:
     """The reference's stored worst error at `dtype` over K evaluation orders, per canonical
-    name (issue 14): computed once, at fixture time, and used in live and goldens mode alike."""
-    return fixture(case).order_errors(dtype)
+    name: computed once, at fixture time, and used in live and goldens mode alike."""
+    return fixture(case).order_errors(dtype, teacher)
 
 
 def outputs(spec: str, case: str, point: Point) -> Outputs:
     """The Outputs of implementation `spec` on the fixture `case` at `point` (cached)."""
-    if spec in ("torch_ref", "goldens"):  # no knobs, no mesh: one run per (case, dtype)
-        point = Point(point.case, point.dtype)
+    if spec in ("torch_ref", "goldens"):  # no knobs, no mesh: one run per (case, dtype, teacher)
+        point = Point(point.case, point.dtype, teacher=point.teacher)
     return _outputs(spec, case, point, fixtures_dir())
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .cases import CASES
+from .cases import CASES, TEACHERS
 from .outputs import FORWARD_QUANTITIES, LOSS_QUANTITIES, MODES, kind_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -75,6 +75,8 @@ class Point:
     tchunk: int = 0
     qchunk: int = 0
     mesh: tuple[int, int] | None = None
+    # The teacher of the loss (SPEC section 8): "joint" (DeepSeek-V4's attention) or "compressed".
+    teacher: str = "joint"
 
     @property
     def chunked(self) -> bool:
@@ -93,19 +95,23 @@ class Point:
     def label(self) -> str:
         q = f" qchunk={self.qchunk}" if self.qchunk else ""
         mesh = f" mesh={self.mesh[0]}x{self.mesh[1]}" if self.mesh else ""
-        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q}{mesh}"
+        teacher = f" teacher={self.teacher}" if self.teacher != "joint" else ""
+        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q}{mesh}{teacher}"
 
     def spec(self) -> str:
-        """`case:dtype:ichunk:tchunk[:qchunk]` (a command-line form; see `parse`)."""
-        return f"{self.case}:{self.dtype}:{self.ichunk}:{self.tchunk}" + (f":{self.qchunk}" if self.qchunk else "")
+        """`case:dtype:ichunk:tchunk[:qchunk[:teacher]]` (a command-line form; see `parse`)."""
+        tail = [str(self.qchunk)] if self.qchunk or self.teacher != "joint" else []
+        tail += [self.teacher] if self.teacher != "joint" else []
+        return ":".join([self.case, self.dtype, str(self.ichunk), str(self.tchunk), *tail])
 
     @classmethod
     def parse(cls, text: str) -> "Point":
         fields = text.split(":")
-        if len(fields) not in (4, 5):
-            raise ValueError(f"point {text!r} must be case:dtype:ichunk:tchunk[:qchunk]")
-        case, dtype, ichunk, tchunk, *qchunk = fields
-        return cls(case, dtype, int(ichunk), int(tchunk), int(qchunk[0]) if qchunk else 0)
+        if len(fields) not in (4, 5, 6):
+            raise ValueError(f"point {text!r} must be case:dtype:ichunk:tchunk[:qchunk[:teacher]]")
+        case, dtype, ichunk, tchunk, *rest = fields
+        return cls(case, dtype, int(ichunk), int(tchunk), int(rest[0]) if rest else 0,
+                   teacher=rest[1] if len(rest) > 1 else "joint")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -124,7 +130,9 @@ class Entry:
         impl = "" if self.impl == "jax" else f"{self.impl}-"
         q = f"-qchunk{p.qchunk}" if p.qchunk else ""
         mesh = f"-mesh{p.mesh[0]}x{p.mesh[1]}" if p.mesh else ""
-        return f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}{mesh}-{self.mode}-{self.quantity}"
+        teacher = f"-{p.teacher}" if p.teacher != "joint" else ""
+        return (f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}{mesh}{teacher}-{self.mode}-"
+                f"{self.quantity}")
 
     @property
     def kind(self) -> str:
@@ -221,12 +229,34 @@ def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
     return sorted(set(points))
 
 
+# The compressed teacher's sample (module doc): its points on the cases whose fixture holds its
+# goldens (Case.teachers), per sample: (dtypes of the native point, dtypes of the combined point).
+COMPRESSED_SAMPLE = {"ci": (("float64", "bfloat16"), ("float32",)),
+                     "default": (DTYPES, ("float32", "bfloat16", "float64"))}
+
+
+def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tuple[int, int, int]]:
+    """The (indexer chunk, teacher chunk, query chunk) triples run with the compressed teacher:
+    none where the case holds no compressed goldens; the full sample runs the joint teacher's
+    chunk points; the others the native point and the combined chunk point in their dtypes."""
+    if "compressed" not in CASES[case].teachers:
+        return []
+    if sample == "full":
+        return chunk_points(case, dtype, sample)
+    native, combined = COMPRESSED_SAMPLE[sample]
+    points = [(0, 0, 0)] if dtype in native else []
+    if dtype in combined:
+        points.append((*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1]))
+    return points
+
+
 def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
-    """Every entry of one point (forward quantities only at teacher chunk 0)."""
+    """Every entry of one point (forward quantities only at teacher chunk 0 and with the joint
+    teacher: they do not depend on the teacher)."""
     out = []
     for mode in modes or MODES:
         if mode == "forward":
-            if point.tchunk:
+            if point.tchunk or point.teacher != "joint":
                 continue
             quantities = FORWARD_QUANTITIES
         else:
@@ -236,17 +266,27 @@ def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
 
 
 def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None,
-                 impl: str = "jax", qchunks=None, sample: str = "default") -> list[Entry]:
+                 impl: str = "jax", qchunks=None, sample: str = "default", teachers=None) -> list[Entry]:
     """All entries. None = the sample's choice (`sample`: ci, default or full); explicit
     `ichunks` / `tchunks` / `qchunks` replace the sampled chunk points of every case by their
-    cross product (a missing one counts as [0])."""
+    cross product (a missing one counts as [0]). `teachers` (default: both) picks the teachers;
+    the compressed one runs only on the cases that hold its goldens."""
+    for t in teachers or ():
+        if t not in TEACHERS:
+            raise ValueError(f"teacher={t!r} is not supported (valid: {', '.join(TEACHERS)})")
     entries = []
     for case in cases or CASES:
         for dtype in dtypes or DTYPES:
-            if ichunks is None and tchunks is None and qchunks is None:
-                points = chunk_points(case, dtype, sample)
-            else:
-                points = [(i, t, q) for i in (ichunks or [0]) for t in (tchunks or [0]) for q in (qchunks or [0])]
-            for ichunk, tchunk, qchunk in points:
-                entries.extend(entries_at(Point(case, dtype, ichunk, tchunk, qchunk), modes, impl))
+            for teacher in teachers or TEACHERS:
+                if teacher != "joint" and teacher not in CASES[case].teachers:
+                    continue
+                if ichunks is not None or tchunks is not None or qchunks is not None:
+                    points = [(i, t, q) for i in (ichunks or [0]) for t in (tchunks or [0]) for q in (qchunks or [0])]
+                elif teacher == "joint":
+                    points = chunk_points(case, dtype, sample)
+                else:
+                    points = compressed_points(case, dtype, sample)
+                for ichunk, tchunk, qchunk in points:
+                    point = Point(case, dtype, ichunk, tchunk, qchunk, teacher=teacher)
+                    entries.extend(entries_at(point, modes, impl))
     return entries

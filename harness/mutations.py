@@ -74,6 +74,9 @@ SMALL_BF16_ICHUNK = Point("small", "bfloat16", ichunk=2)
 # holds 4 padding rows; float64, where `exact64` and the `chunk` check against native see any
 # row out of place.
 TINY64_QCHUNK = Point("tiny", "float64", qchunk=5)
+# The joint teacher's and YaRN's cases (harness/cases.py), float64.
+SINK_ONLY64 = Point("sink_only", "float64")
+YARN64 = Point("yarn_tail", "float64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,10 +315,69 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "loss_sparse_mask_not_on_teacher", "loss", "loss.py",
-        "teacher_distribution(tq, tkv, keep, valid_tok, cfg.loss_head_chunk)",
-        "teacher_distribution(tq, tkv, valid, valid_tok, cfg.loss_head_chunk)",
+        "teacher_distribution(teacher, keep, valid_tok, cfg, rows, inputs[\"segment_ids\"])",
+        "teacher_distribution(teacher, valid, valid_tok, cfg, rows, inputs[\"segment_ids\"])",
         ("exact64@sel",), (TINY64,),
         "sparse mode: the teacher softmax spans every valid block, not just the top-k picks",
+    ),
+    Mutant(
+        "teacher_sink_left_out", "loss", "loss.py",
+        "    parts = [jnp.broadcast_to(sink[None, None, :, None], (*a.shape[:3], 1)), a]\n",
+        "    parts = [a]\n",
+        ("exact64",), (SINK_ONLY64,),
+        "joint teacher: the sink logit left out of each head's normaliser (window and blocks only)",
+    ),
+    Mutant(
+        "teacher_window_not_causal", "loss", "loss.py",
+        '    slab = jnp.take(window_kv, rows[0] - (n - 1) + jnp.arange(r + n - 1), axis=1, mode="clip")\n',
+        '    slab = jnp.take(window_kv, rows[0] + jnp.arange(r + n - 1), axis=1, mode="clip")\n',
+        ("exact64",), (TINY64,),
+        "joint teacher: the window read n_win - 1 tokens ahead (a query sees future tokens' keys)",
+    ),
+    Mutant(
+        "teacher_window_crosses_document", "loss", "loss.py",
+        "    ok = (key_rows >= 0)[None] & (seg_k == seg_q[..., None])\n",
+        "    ok = jnp.broadcast_to((key_rows >= 0)[None], seg_k.shape)\n",
+        ("exact64",), (PACKED64,),
+        "joint teacher: the window reaches back into the previous document of a packed row",
+    ),
+    Mutant(
+        "teacher_window_off_by_one", "loss", "loss.py",
+        "    n = min(cfg.sliding_window, segment_ids.shape[1])\n",
+        "    n = min(cfg.sliding_window + 1, segment_ids.shape[1])\n",
+        ("exact64",), (TINY64,),
+        "joint teacher: n_win + 1 window tokens (the query token and n_win before it)",
+    ),
+    Mutant(
+        "teacher_normaliser_wrong_heads", "loss", "loss.py",
+        "        sink_c = None if sink is None else jax.lax.dynamic_slice_in_dim(sink, i * chunk, chunk)\n",
+        "        sink_c = None if sink is None else jax.lax.dynamic_slice_in_dim(sink, 0, chunk)\n",
+        ("chunk", "exact64"), (TINY64_TCHUNK,),
+        "joint teacher, head-chunked: every chunk's normaliser takes the first chunk's sink logits",
+    ),
+    Mutant(
+        "teacher_compressed_for_joint", "loss", "loss.py",
+        '    joint = cfg.teacher_normaliser == "joint"\n',
+        "    joint = False\n",
+        ("exact64",), (TINY64,),
+        "the compressed teacher (each head renormalised over the blocks) computed where the joint "
+        "one is asked for (MaxText 0.2.5's teacher)",
+    ),
+    Mutant(
+        "yarn_ramp_reversed", "rope", "rope.py",
+        "    return inv_freq * (1 - ramp) + inv_freq / scaling.factor * ramp\n",
+        "    return inv_freq * ramp + inv_freq / scaling.factor * (1 - ramp)\n",
+        ("exact64",), (YARN64,),
+        "YaRN's ramp reversed: the fast pairs interpolated by 1/factor, the slow ones kept",
+    ),
+    Mutant(
+        "yarn_mscale_applied", "rope", "rope.py",
+        "    cos, sin = jnp.cos(angle), jnp.sin(angle)\n",
+        "    mscale = 1.0 if scaling is None else 0.1 * math.log(scaling.factor) + 1.0\n"
+        "    cos, sin = jnp.cos(angle) * mscale, jnp.sin(angle) * mscale\n",
+        ("exact64",), (YARN64,),
+        "YaRN applied with its attention factor: cos and sin scaled by 0.1 ln(factor) + 1 (DeepSeek-V4 "
+        "does not)",
     ),
     Mutant(
         "loss_missing_stop_gradient", "loss", "api.py",

@@ -25,10 +25,11 @@ from typing import Mapping
 
 import numpy as np
 
-INPUT_NAMES = ("hidden_states", "q_latent", "position_ids", "segment_ids", "teacher_query", "teacher_kv")
+INPUT_NAMES = ("hidden_states", "q_latent", "position_ids", "segment_ids", "teacher_query", "teacher_kv",
+               "teacher_window_kv", "attention_sink")
 PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm", "indexer.wq_b",
                "indexer.weights_proj")
-FLOAT_INPUT_NAMES = ("hidden_states", "q_latent", "teacher_query", "teacher_kv")
+FLOAT_INPUT_NAMES = ("hidden_states", "q_latent", "teacher_query", "teacher_kv", "teacher_window_kv", "attention_sink")
 
 FORWARD_QUANTITIES = ("compressed_keys", "index_scores", "topk_indices")
 # The matrix's loss quantities (mode-free); `output_name` adds the variant.

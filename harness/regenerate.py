@@ -27,6 +27,7 @@ from .cases import CASES, Case, make_inputs
 from .compare import topk_sets
 from .compare import normalised_error
 from .fixtures import (FIXTURES_DIR, GOLDEN_DTYPES, LOW_DTYPES, MANIFEST_NAME, ORDERR_QUANTITIES, REPO_ROOT,
+                       TEACHER_FREE, teacher_prefix,
                        VERSION_KEYS, CorruptFile, FixtureError, RawTensor, atomic_write, case_metadata, display_path,
                        fix_command, manifest_entry, read_manifest, read_safetensors, sha256_of, tensor_schema,
                        write_manifest, write_safetensors)
@@ -58,16 +59,21 @@ def _versions() -> dict[str, str]:
 
 
 
-def golden_tensors(problem: Problem) -> dict[str, np.ndarray]:
+def golden_tensors(problem: Problem, teachers=("joint",)) -> dict[str, np.ndarray]:
     """Every `golden.<dtype>.<name>` of a problem: the torch reference's outputs, the float64
-    oracle first (its top-k is the selection of the low dtypes' sparse_at_oracle variant)."""
+    oracle first (its top-k is the selection of the low dtypes' sparse_at_oracle variant); for
+    each teacher after the joint one, its loss and gradients as `golden.<dtype>.<teacher>.<name>`."""
     torch_ref = TorchReference()
     oracle = torch_ref.run(problem, Point(problem.name, "float64"))
     problem = Problem(problem.name, problem.config, problem.inputs, problem.params, oracle["topk_indices"])
     tensors: dict[str, np.ndarray] = {}
-    for dt in GOLDEN_DTYPES:
-        out = oracle if dt == "float64" else torch_ref.run(problem, Point(problem.name, dt))
-        tensors.update({f"golden.{dt}.{name}": value for name, value in out.values.items()})
+    for teacher in teachers:
+        prefix = teacher_prefix(teacher)
+        for dt in GOLDEN_DTYPES:
+            point = Point(problem.name, dt, teacher=teacher)
+            out = oracle if (dt, teacher) == ("float64", "joint") else torch_ref.run(problem, point)
+            tensors.update({f"golden.{dt}.{prefix}{name}": value for name, value in out.values.items()
+                            if not (prefix and name in TEACHER_FREE)})
     return tensors
 
 
@@ -109,37 +115,44 @@ def evaluation_orders(batch: int, index_heads: int, teacher_heads: int, k: int =
     return out
 
 
-def order_errors(problem: Problem, goldens: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`golden.<dtype>.orderr.<name>`: the max over `evaluation_orders` of the torch reference's
-    normalised error at dtype against the float64 oracle in `goldens` (see the comment above).
-    The permuted runs go through the protocol like the goldens (TorchReference), computing only
-    the variants the order errors need."""
+def order_errors(problem: Problem, goldens: Mapping[str, np.ndarray], teacher: str = "joint") -> dict[str, np.ndarray]:
+    """`golden.<dtype>.[<teacher>.]orderr.<name>`: the max over `evaluation_orders` of the torch
+    reference's normalised error at dtype against the float64 oracle in `goldens` (see the
+    comment above), for the loss and gradients of `teacher` (and, for the joint one, the forward
+    quantities). The permuted runs go through the protocol like the goldens (TorchReference),
+    computing only the variants the order errors need."""
     cfg = problem.config
     HI, DI, H = cfg["index_n_heads"], cfg["index_head_dim"], cfg["num_query_heads"]
     B = problem.inputs["hidden_states"].shape[0]
     oracle_topk = goldens["golden.float64.topk_indices"]
 
+    prefix = teacher_prefix(teacher)
+    names = [q for q in ORDERR_QUANTITIES if not (prefix and q in TEACHER_FREE)]
+
+    def stored(dt: str, q: str) -> np.ndarray:
+        return goldens[f"golden.{dt}.{'' if q in TEACHER_FREE else prefix}{q}"]
+
     def error(q: str, value) -> float:
-        oracle = goldens[f"golden.float64.{q.replace('sparse_at_oracle', 'sparse', 1)}"]
+        oracle = stored("float64", q.replace("sparse_at_oracle", "sparse", 1))
         err, _, _ = normalised_error(np.asarray(value, np.float64), oracle,
                                      "row" if q == "index_scores" else "tensor")
         return err
 
     # Order 0 is the stored goldens themselves (not a rerun: a rerun of the same order on
     # copied, differently aligned buffers can round differently in the CPU kernels).
-    worst = {f"golden.{dt}.orderr.{q}": error(q, goldens[f"golden.{dt}.{q}"])
-             for dt in LOW_DTYPES for q in ORDERR_QUANTITIES}
+    worst = {f"golden.{dt}.{prefix}orderr.{q}": error(q, stored(dt, q)) for dt in LOW_DTYPES for q in names}
     reference = TorchReference(variants=("dense", "sparse_at_oracle"))
     for pb, pi, pt in evaluation_orders(B, HI, H)[1:]:
         pp = dict(problem.params)
         pp["indexer.wq_b"] = pp["indexer.wq_b"].reshape(-1, HI, DI)[:, pi].reshape(-1, HI * DI)
         pp["indexer.weights_proj"] = pp["indexer.weights_proj"][:, pi]
-        px = {n: np.ascontiguousarray(v[pb]) for n, v in problem.inputs.items()}
+        px = {n: np.ascontiguousarray(v[pb]) for n, v in problem.inputs.items() if n != "attention_sink"}
         px["teacher_query"] = np.ascontiguousarray(px["teacher_query"][:, :, pt])
+        px["attention_sink"] = np.ascontiguousarray(problem.inputs["attention_sink"][pt])
         permuted = Problem(problem.name, cfg, px, pp, oracle_topk[pb])
         back_b = np.argsort(pb)  # output row b' of the permuted run is input row pb[b']
         for dt in LOW_DTYPES:
-            out = reference.run(permuted, Point(problem.name, dt))
+            out = reference.run(permuted, Point(problem.name, dt, teacher=teacher))
             got = {"compressed_keys": out["compressed_keys"][back_b], "index_scores": out["index_scores"][back_b]}
             for variant in ("dense", "sparse_at_oracle"):
                 got[f"loss.{variant}"] = out[f"loss.{variant}"]
@@ -150,8 +163,8 @@ def order_errors(problem: Problem, goldens: Mapping[str, np.ndarray]) -> dict[st
                     elif p == "indexer.weights_proj":
                         g = g[:, np.argsort(pi)]
                     got[f"grad.{variant}.{p}"] = g
-            for q in ORDERR_QUANTITIES:
-                name = f"golden.{dt}.orderr.{q}"
+            for q in names:
+                name = f"golden.{dt}.{prefix}orderr.{q}"
                 worst[name] = max(worst[name], error(q, got[q]))
     return {name: np.asarray(err, np.float64) for name, err in sorted(worst.items())}
 
@@ -162,8 +175,9 @@ def build_case_tensors(case: Case) -> tuple[dict[str, np.ndarray], dict[str, str
     inputs, params = make_inputs(case)
     tensors: dict[str, np.ndarray] = {**inputs, **params}
     problem = Problem(case.name, case.config_dict(), inputs, params)
-    tensors.update(golden_tensors(problem))
-    tensors.update(order_errors(problem, tensors))
+    tensors.update(golden_tensors(problem, case.teachers))
+    for teacher in case.teachers:
+        tensors.update(order_errors(problem, tensors, teacher))
     metadata = {**case_metadata(case), **_versions()}
     # The schema is the contract: fail here, at generation, if the reference drifts from it.
     schema = tensor_schema(case)

@@ -37,6 +37,7 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "tchunk": p.tchunk,
         "qchunk": p.qchunk,
         "mesh": list(p.mesh) if p.mesh else None,
+        "teacher": p.teacher,
         "mode": entry.mode,
         "impl": entry.impl,
         "quantity": entry.quantity,
@@ -133,10 +134,13 @@ def summarise(records: list[dict]) -> dict:
 
 
 def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Rows case x dtype; columns quantity groups; cells 'ok 0.31' / 'FAIL 4.2' (worst ratio)."""
+    """Rows case x dtype (the compressed teacher's points in rows of their own, `case
+    (compressed)`); columns quantity groups; cells 'ok 0.31' / 'FAIL 4.2' (worst ratio)."""
     cells: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
-        cells[(rec["case"], rec["dtype"])][column_of(rec["quantity"])].append(rec)
+        teacher = rec.get("teacher", "joint")
+        case = rec["case"] if teacher == "joint" else f"{rec['case']} ({teacher})"
+        cells[(case, rec["dtype"])][column_of(rec["quantity"])].append(rec)
     header = ["case", "dtype", *COLUMNS]
     rows = []
     for (case, dtype), cols in cells.items():

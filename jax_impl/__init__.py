@@ -11,7 +11,12 @@ from .config import DTYPES, CSAConfig, resolve_dtype
 from .module import CSAIndexer
 from .validate import PARAM_NAMES, checkify_inputs, validate_inputs, validate_params
 
+# The teachers this implementation computes (the harness's plug-in protocol, docs/API.md):
+# both, by cfg.teacher_normaliser.
+TEACHERS = ("joint", "compressed")
+
 __all__ = [
+    "TEACHERS",
     "CSAConfig",
     "CSAIndexer",
     "DTYPES",

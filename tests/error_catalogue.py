@@ -56,6 +56,9 @@ def make_inputs(cfg, B: int, S: int, seed: int = 1, docs=None) -> dict[str, np.n
         "segment_ids": np.tile(seg, (B, 1)).astype(np.int32),
         "teacher_query": f(B, S, H, D, scale=2.0 * D ** -0.5),
         "teacher_kv": f(B, W, D, scale=2.0),
+        # The joint teacher's inputs (drawn last: the draws above do not move).
+        "teacher_window_kv": f(B, S, D),
+        "attention_sink": f(H),
     }
 
 

@@ -24,7 +24,7 @@ import pytest
 
 import jax_impl
 from harness.cases import CASES
-from harness.matrix import DTYPES, MODES, chunk_points
+from harness.matrix import DTYPES, MODES, chunk_points, compressed_points
 from harness.random_configs import CHUNK_KNOBS, PINNED, config_fields
 
 import numpy as np
@@ -32,7 +32,8 @@ import numpy as np
 # SPEC section 1's fields, in the table's order.
 SPEC_FIELDS = ("emb_dim", "q_lora_rank", "index_n_heads", "index_head_dim", "rope_head_dim",
                "compress_ratio", "index_topk", "rope_theta", "norm_eps", "num_query_heads", "head_dim",
-               "indexer_head_chunk", "loss_head_chunk", "query_chunk", "sparse_loss", "loss_scale")
+               "indexer_head_chunk", "loss_head_chunk", "query_chunk", "sparse_loss", "loss_scale",
+               "sliding_window", "teacher_normaliser", "rope_scaling")
 
 DEFAULT_THETA, DEFAULT_EPS = 160000.0, 1e-6
 
@@ -54,6 +55,14 @@ def _chunk(c: int, n: int) -> set[str]:
     if 1 < c < n:
         out.add("strictly between 1 and the head count")
     return out
+
+
+def _window(c, s: int) -> set[str]:
+    """The window's value class; it matters only to the joint teacher."""
+    if c.get("teacher_normaliser", "joint") != "joint":
+        return set()
+    n = c["sliding_window"]
+    return {"0" if n == 0 else "1" if n == 1 else ">= S" if n >= s else "between 1 and S"}
 
 
 def _query_chunk(r: int, s: int) -> set[str]:
@@ -101,6 +110,13 @@ AUDIT = {
     "query_chunk": ({"0 (all rows)", "1", "divides S", "does not divide S", ">= S"},
                     lambda c, s, w: set() if w == 0 else _query_chunk(c.get("query_chunk", 0), s)),
     "sparse_loss": ({"False", "True"}, lambda c, s, w: set() if w == 0 else {str(c["sparse_loss"])}),
+    "sliding_window": ({"0", "1", "between 1 and S", ">= S"},
+                       lambda c, s, w: set() if w == 0 else _window(c, s)),
+    "teacher_normaliser": ({"joint", "compressed"},
+                           lambda c, s, w: set() if w == 0 else {c.get("teacher_normaliser", "joint")}),
+    "rope_scaling": ({"null", "yarn"},
+                     lambda c, s, w: set() if w == 0 or c["rope_head_dim"] < 4 else
+                     {"null" if c["rope_scaling"] is None else c["rope_scaling"]["type"]}),
     "loss_scale": ({"1", "positive, not 1", "negative"},
                    lambda c, s, w: set() if w == 0 else
                    {"1" if c["loss_scale"] == 1 else "positive, not 1" if c["loss_scale"] > 0 else "negative"}),
@@ -108,14 +124,17 @@ AUDIT = {
 
 
 def committed_instances():
-    """(source, cfg, S, W) of every matrix point of every committed case (both loss modes)."""
+    """(source, cfg, S, W) of every matrix point of every committed case (both loss modes, and
+    both teachers where the case holds the compressed one's goldens)."""
     for case in CASES.values():
-        points = sorted({p for dt in DTYPES for p in chunk_points(case.name, dt)})
-        for ichunk, tchunk, qchunk in points:
-            for sparse in (False, True):
-                cfg = dict(case.config, indexer_head_chunk=ichunk, loss_head_chunk=tchunk, query_chunk=qchunk,
-                           sparse_loss=sparse)
-                yield f"case {case.name}", cfg, case.seq_len, case.num_blocks
+        for teacher in case.teachers:
+            sampled = chunk_points if teacher == "joint" else compressed_points
+            points = sorted({p for dt in DTYPES for p in sampled(case.name, dt)})
+            for ichunk, tchunk, qchunk in points:
+                for sparse in (False, True):
+                    cfg = dict(case.config, indexer_head_chunk=ichunk, loss_head_chunk=tchunk, query_chunk=qchunk,
+                               sparse_loss=sparse, teacher_normaliser=teacher)
+                    yield f"case {case.name}", cfg, case.seq_len, case.num_blocks
 
 
 def pinned_instances():

@@ -88,6 +88,15 @@ def problems(draw, sparse: bool | None = None) -> Problem:
         loss_head_chunk=draw(st.sampled_from([0, *divisors(h)])),
         sparse_loss=draw(st.booleans()) if sparse is None else sparse,
         loss_scale=draw(st.sampled_from([1.0, 0.5, -2.0, 3.25])),
+        sliding_window=draw(st.integers(0, seq_len + 2)),  # 0, 1, between, >= S
+        teacher_normaliser=draw(st.sampled_from(["joint", "compressed"])),
+        # YaRN with a short original length, so that its ramp turns the frequencies at these
+        # positions (0 .. 13); a negative corr (length below 2 pi beta) gives a degenerate but
+        # well-defined ramp on both sides.
+        rope_scaling=draw(st.none() | st.fixed_dictionaries(dict(
+            type=st.just("yarn"), factor=st.sampled_from([1.0, 4.0, 16.0]),
+            original_max_position=st.integers(1, 64), beta_fast=st.sampled_from([32.0, 8.0]),
+            beta_slow=st.sampled_from([1.0, 0.5])))),
     )
     assert set(cfg) == {n for n, _ in CONFIG_FIELDS}
     cfg["query_chunk"] = draw(st.integers(0, seq_len + 2))  # 0, dividing or not, >= S
