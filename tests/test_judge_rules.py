@@ -136,20 +136,21 @@ def test_oracle_bound_is_alpha_times_the_reference_error_at_dtype(quantity):
     _assert_boundary(f"oracle: alpha[{kind}] * err(reference@t) ({quantity})", run, bound)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("quantity", list(QUANTITIES))
-def test_oracle_floor_when_the_reference_is_exact(quantity):
-    """oracle: a reference whose rounding happened to be exact (err 0) leaves the floor:
-    bound alpha * floor[t] (harness.tolerance.FLOOR), never 0."""
+def test_oracle_floor_when_the_reference_is_exact(quantity, dtype):
+    """oracle: a reference whose rounding happened to be exact (err 0) leaves the floor of the
+    entry's dtype: bound alpha * FLOOR[t][kind] (harness.tolerance.FLOOR), never 0."""
     mode, name, kind, scale, make = QUANTITIES[quantity]
     oracle = make(_rng(1))
-    bound = ALPHA[kind] * tolerance.FLOOR["bfloat16"][kind]
+    bound = ALPHA[kind] * tolerance.FLOOR[dtype][kind]
 
     def run(f):
         cand = Outputs("hand-made", {name: _bump(oracle, f * bound, scale=scale)})
-        refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@bf16", {name: oracle}))
-        return _only(judge(_entry(quantity), cand, refs), "oracle")
+        refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@t", {name: oracle}))
+        return _only(judge(_entry(quantity, dtype), cand, refs), "oracle")
 
-    _assert_boundary(f"oracle floor: alpha * FLOOR[bfloat16][{kind}] ({quantity})", run, bound)
+    _assert_boundary(f"oracle floor: alpha * FLOOR[{dtype}][{kind}] ({quantity})", run, bound)
 
 
 @pytest.mark.parametrize("quantity", ["index_scores", "loss", "grad.indexer.wq_b"])
@@ -483,7 +484,9 @@ def _sparse_judge(quantity, cand_own, cand_sel, native_own=None, native_sel=None
     torch_scores = _bump(scores, SPARSE_T_ERR, (0, 0, 5), "row")
     refs = References(
         Outputs("oracle", {"index_scores": scores, "topk_indices": SPARSE_PICKS, own: oracle}),
-        Outputs("torch@f32", {"index_scores": torch_scores, at_sel: _bump(oracle, SPARSE_T_ERR, _first(oracle))}),
+        # the reference at t on its own selection: further off (a real one may even select otherwise)
+        Outputs("torch@f32", {"index_scores": torch_scores, at_sel: _bump(oracle, SPARSE_T_ERR, _first(oracle)),
+                              own: _bump(oracle, 10 * SPARSE_T_ERR, _first(oracle))}),
         native=None if native_own is None else Outputs("native", {
             "topk_indices": SPARSE_PICKS if native_picks is None else native_picks, own: native_own(oracle),
             at_sel: native_sel(oracle)}),
