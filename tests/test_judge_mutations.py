@@ -97,7 +97,8 @@ def test_every_mutant_still_applies_exactly_once():
 
 
 def test_a_stale_entry_fails_loudly(tmp_path):
-    m = HarnessMutant("stale", "bound", "compare.py", "this text is not in compare.py", "", "tests/x.py::t", "r", "none")
+    m = HarnessMutant("stale", "bound", "compare.py", "this text is not in compare.py", "", "tests/x.py::t", "r",
+                      "none")
     with pytest.raises(MutationError, match=r"mutant 'stale': its `old` text occurs 0 times in "
                                              r"harness/compare.py \(expected exactly once\)"):
         patch_copy(m, tmp_path)

@@ -29,8 +29,7 @@ from harness import tolerance
 from harness.compare import CheckResult, status_result
 from harness.judge import judge, stage_checks
 from harness.matrix import Entry, Point
-from harness.outputs import (ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STAGE_MODE, STATUSES,
-                             Outputs, References)
+from harness.outputs import ERROR, EXCUSED, FAILED, PASSED, STAGE_MODE, STATUSES, Outputs, References
 from harness.report import markdown, record, summarise
 from harness.tolerance import Policy
 
@@ -425,7 +424,8 @@ def test_chunk_topk_compares_against_native_with_the_oracles_window():
     scores, torch_t, _ = _topk_problem([], 0)
     native = _swap(ORACLE_PICKS, 0, [0, 3])  # native picks a non-tie block; the candidate does not
     refs = References(Outputs("oracle", {"index_scores": scores, "topk_indices": ORACLE_PICKS}),
-                      Outputs("torch@bf16", {"index_scores": torch_t}), native=Outputs("native", {"topk_indices": native}))
+                      Outputs("torch@bf16", {"index_scores": torch_t}),
+                      native=Outputs("native", {"topk_indices": native}))
     r = _only(judge(_entry("topk_indices", mode="forward", ichunk=1), Outputs("c", {"topk_indices": ORACLE_PICKS}),
                     refs), "chunk-topk")
     assert r.status == FAILED, f"rule 'chunk-topk is against native': {r.message}"
@@ -457,9 +457,8 @@ SPARSE_PICKS = np.array([[[0, 1], [1, 0], [0, 1], [2, 3]]])  # over _scores' [1,
 
 
 def _sparse_problem(rng, quantity):
-    """A sparse entry's values: the oracle's own run (its selection is the selection), the
-    reference at float32 on the oracle's selection, native (chunk 0) and the candidate's
-    defaults, everyone selecting the oracle's sets."""
+    """The oracle's scores (each query's top 2, SPARSE_PICKS, clear of the rest), the oracle's
+    sparse value of `quantity` and the quantity's two sparse names (own selection, oracle's)."""
     scores = _scores(rng)
     scores[0, 0, :2] = [2.0, 1.9]
     scores[0, 1, :2] = [1.9, 2.0]
@@ -476,8 +475,12 @@ SPARSE_T_ERR = 1e-3
 
 def _sparse_judge(quantity, cand_own, cand_sel, native_own=None, native_sel=None, cand_picks=None, native_picks=None,
                   gap=None, seed=11):
-    """The results of a float32 sparse entry (chunked when `native_own` is given). `gap`: query
-    3's block 4 set `gap` tie windows (alpha * SPARSE_T_ERR * max |row|) below its k-th score."""
+    """The results of a float32 sparse entry (chunked when `native_own` is given): the oracle's
+    own run (its selection is the selection), the reference at t off by SPARSE_T_ERR on the
+    oracle's selection, and the candidate's and native's values made from the oracle's by the
+    functions given; picks default to the oracle's sets (the candidate's in reverse order).
+    `gap`: query 3's block 4 set `gap` tie windows (alpha * SPARSE_T_ERR * max |row|) below its
+    k-th score."""
     scores, oracle, own, at_sel = _sparse_problem(_rng(seed), quantity)
     if gap is not None:
         scores[0, 3, 4] = scores[0, 3, 3] - gap * ALPHA["forward"] * SPARSE_T_ERR * scores[0, 3].max()
@@ -527,6 +530,8 @@ def test_sparse_end_to_end_oracle_is_compared_when_the_selections_agree(quantity
 
 @pytest.mark.parametrize("quantity", ["loss", "grad.indexer.wq_b"])
 def test_chunk_at_sel_is_against_natives_run_on_the_oracles_selection(quantity):
+    """chunk@sel: chunked X on the oracle's selection against native X on the oracle's
+    selection (not the oracle, from which native differs by far more), to the chunk bound."""
     kind = "loss" if quantity == "loss" else "grad"
     bound = tolerance.CHUNK["float32"][kind]
     native = lambda o: _bump(o, 1e-4)  # noqa: E731
@@ -579,6 +584,8 @@ def test_sparse_end_to_end_chunk_excused_only_when_selections_differ():
 
 
 def test_exact64_at_sel_and_end_to_end_in_float64():
+    """exact64@sel and the end-to-end sparse check in float64: 1e-12 against the oracle's
+    sparse run, on the oracle's selection and on the candidate's own (the same sets)."""
     scores, oracle, own, at_sel = _sparse_problem(_rng(12), "grad.indexer.wq_b")
     refs = References(Outputs("oracle", {"index_scores": scores, "topk_indices": SPARSE_PICKS, own: oracle}),
                       Outputs("torch@f64", {"index_scores": scores, at_sel: oracle}))
@@ -635,15 +642,16 @@ def test_a_stage_plugins_quantity_is_judged_against_the_references_stage(quantit
     torch_t = _bump(oracle, t_err, _first(oracle), scale)
     bound = ALPHA[kind] * t_err
     entry = Entry(Point("tiny", "bfloat16"), STAGE_MODE, quantity, "plugin")
+    refs = References(Outputs("oracle", {quantity: oracle}), Outputs("ref@bf16", {quantity: torch_t}))
 
     def run(f):
         cand = Outputs("plugin", {quantity: _bump(oracle, f * bound, SMALL_ROW if scale == "row" else None, scale)})
-        [r] = judge(entry, cand, References(Outputs("oracle", {quantity: oracle}), Outputs("ref@bf16", {quantity: torch_t})))
+        [r] = judge(entry, cand, refs)
         return r
 
     _assert_boundary(f"stage entry: oracle rule against the reference stage ({quantity})", run, bound)
     cand = Outputs("plugin", {quantity: _nan_at_last(oracle)})
-    [r] = judge(entry, cand, References(Outputs("oracle", {quantity: oracle}), Outputs("ref@bf16", {quantity: torch_t})))
+    [r] = judge(entry, cand, refs)
     assert r.status == FAILED and "NaN" in r.message, f"rule 'NaN fails' (stage): {r.message}"
 
 
@@ -674,7 +682,8 @@ def test_an_error_status_fails_the_check_the_test_and_the_run():
 @pytest.mark.parametrize("status", STATUSES)
 def test_each_status_maps_to_its_verdict(status):
     """passed and excused pass; failed and error fail; not_provided and not_applicable neither."""
-    r = status_result("oracle", "loss", status, "why") if status != FAILED else CheckResult("oracle", "loss", FAILED, 2.0, 1.0)
+    r = (CheckResult("oracle", "loss", FAILED, 2.0, 1.0) if status == FAILED
+         else status_result("oracle", "loss", status, "why"))
     assert r.passed == (status in (PASSED, EXCUSED)), f"rule 'status -> verdict' ({status}): passed={r.passed}"
     assert r.failed == (status in (FAILED, ERROR)), f"rule 'status -> verdict' ({status}): failed={r.failed}"
 
