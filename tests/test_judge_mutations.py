@@ -14,6 +14,7 @@ machine about 1 s each, 25 s for the catalogue.
 from __future__ import annotations
 
 import ast
+import re
 import tempfile
 from pathlib import Path
 
@@ -119,3 +120,23 @@ def test_the_test_process_imports_the_copy(tmp_path):
     outcome = run_tests(tmp_path / "copy", [CATALOGUE[0].killing_test])
     assert outcome.returncode == 4 and "not the mutated copy" in outcome.output, outcome.output[-2000:]
     assert not outcome.ran
+
+
+def test_the_judging_doc_names_every_mutant_and_only_real_tests():
+    """docs/JUDGING.md's table: every mutant of the catalogue appears, and every test and
+    mutant it names exists."""
+    import re
+
+    doc = (ROOT / "docs" / "JUDGING.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| ") and "`test_" in line]
+    named_tests = {t for row in rows for t in re.findall(r"`(test_\w+)`", row)}
+    named_mutants = {m for row in rows for m in re.findall(r"`([a-z0-9_]+)`", re.split(r"(?<!\\)\|", row)[3])}
+    functions = _test_functions(ROOT / "tests" / "test_judge_rules.py")
+    assert named_tests <= functions, f"docs/JUDGING.md names tests that do not exist: {sorted(named_tests - functions)}"
+    names = {m.name for m in CATALOGUE}
+    assert named_mutants == names, (f"docs/JUDGING.md and the catalogue disagree: missing from the doc "
+                                    f"{sorted(names - named_mutants)}, unknown {sorted(named_mutants - names)}")
+    for m in CATALOGUE:  # the row naming a mutant names its killing test
+        test = m.killing_test.split("::", 1)[1]
+        assert any(f"`{m.name}`" in row and f"`{test}`" in row for row in rows), \
+            f"docs/JUDGING.md: no row names both {m.name} and its killing test {test}"
