@@ -17,8 +17,8 @@ as such, never as a kill). `run_clean` runs every killing test on an unmutated c
 all pass there, so a killed mutant dies of its mutation.
 
 Cheap by design: the killing tests judge hand-made arrays (no JAX program, no torch), so each
-mutant costs one pytest start with the conftest, xdist and hypothesis left out (under a second
-on this project's 2-core machine; the CLI's exit-code test, which writes reports, about two).
+mutant costs one pytest start with the conftest, xdist and hypothesis left out: about 1 s of one
+core on this project's 2-core machine, some 40 CPU-seconds for the catalogue and the clean run.
 
     python -m harness.judge_mutations              # every mutant; prints the kill table
     python -m harness.judge_mutations --only NAME  # some of them

@@ -7,8 +7,9 @@ copy (checked by a probe plug-in: a run that imported this checkout's harness st
 counts as a kill). A surviving mutant fails its own test, named after it; so does one killed
 only by a crash or by another test. `python -m harness.judge_mutations` prints the kill table.
 
-Cost: one pytest start per mutant (no conftest, no JAX program): measured on the 2-core
-machine about 1 s each, 25 s for the catalogue.
+Cost: one pytest start per mutant (no conftest, no JAX program): about 1 s of one core each,
+some 40 CPU-seconds for the file on the 2-core machine. `make test` runs it in its second
+process, beside the matrix.
 """
 
 from __future__ import annotations
