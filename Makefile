@@ -43,7 +43,8 @@ parity: $(STAMP)
 # each holds), and beside it the random configurations and the query-chunk tests (a process
 # of their own: under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in
 # each file; run alone, both pass) followed by the sharded slice (8 simulated devices, set
-# before JAX starts). The side process's output is printed whole when both have ended; the
+# before JAX starts), and the judge's mutation self-test (one pytest start per mutant, no JAX
+# program). The side process's output is printed whole when both have ended; the
 # target fails if either does. Each pytest is one process (XDIST=0): on this project's
 # 2-core CI machine two xdist workers were slower than one process (the ties/tiny/ragged
 # slice: 172 s with -n 2, 134 s with -n 0), while two separate processes get through ~1.35x
@@ -54,12 +55,14 @@ XDIST ?= 0
 test: $(STAMP)
 	$(BIN)/python scripts/regenerate_fixtures.py --check
 	@side=$$(mktemp); \
-	{ $(BIN)/python -m pytest tests/test_random_configs.py tests/test_query_chunk.py -n 0 --durations=10 && \
+	{ $(BIN)/python -m pytest tests/test_random_configs.py tests/test_query_chunk.py tests/test_judge_mutations.py \
+		-n 0 --durations=10 && \
 	  $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; } >"$$side" 2>&1 & pid=$$!; \
 	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest -n $(XDIST) --durations=25 \
-		--ignore=tests/test_random_configs.py --ignore=tests/test_query_chunk.py; main=$$?; \
+		--ignore=tests/test_random_configs.py --ignore=tests/test_query_chunk.py \
+		--ignore=tests/test_judge_mutations.py; main=$$?; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: random configurations, query chunks, sharded slice (run beside the tests above)"; \
+	echo "=== make test: random configurations, query chunks, judge mutations, sharded slice (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
@@ -69,7 +72,7 @@ test: $(STAMP)
 # says this leg has none on purpose; anywhere else a missing torch fails them).
 SAMPLE312 ?= ci
 TEST312_FILES := tests/test_bad_inputs.py tests/test_cases.py tests/test_cli.py tests/test_compare.py \
-	tests/test_judge.py tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
+	tests/test_judge.py tests/test_judge_rules.py tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
 	tests/test_traceable.py tests/test_grad_checks.py tests/test_training.py
 # One compilation cache for both steps: the CLI tests load the tiny programs the run compiled.
 test312: $(STAMP312)

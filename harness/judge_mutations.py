@@ -1,0 +1,532 @@
+"""Mutation self-test of the judge: does the suite notice when a rule of the judge goes soft?
+
+harness/mutations.py plants mistakes in jax_impl and asks the parity matrix to catch them. This
+module does the same for the harness itself: `CATALOGUE` is data, one `HarnessMutant` per single
+mistake a person could make in the judging code (harness/judge.py, compare.py, tolerance.py,
+collect.py, report.py, cli.py), with the exact source text it replaces (which must occur exactly
+once: a stale catalogue fails loudly, it never silently tests nothing) and the test of the suite
+that must catch it (`killing_test`, a pytest node id; the rules and their tests:
+tests/test_judge_rules.py, the table of them: docs/JUDGING.md).
+
+The committed source is never touched: `patch_copy` copies harness/ into a temporary directory
+and applies the text patch there; `run_tests` runs the named test in a pytest process of its own
+whose imports find that copy first (PYTHONPATH = the copy, then this checkout for jax_impl and
+the tests' helpers; the working directory is the copy). The mutant is killed when that test
+fails, and only then (a copy that does not import, or a test that is not collected, is reported
+as such, never as a kill). `run_clean` runs every killing test on an unmutated copy: they must
+all pass there, so a killed mutant dies of its mutation.
+
+Cheap by design: the killing tests judge hand-made arrays (no JAX program, no torch), so each
+mutant costs one pytest start with the conftest, xdist and hypothesis left out: about 1 s of one
+core on this project's 2-core machine, some 40 CPU-seconds for the catalogue and the clean run.
+
+    python -m harness.judge_mutations              # every mutant; prints the kill table
+    python -m harness.judge_mutations --only NAME  # some of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "harness"
+RULES = "tests/test_judge_rules.py"
+
+# The kinds of mistake the catalogue must hold at least one of (tests/test_judge_mutations.py).
+KINDS = ("scale", "bound", "verdict", "reference", "nan", "tie", "exit", "excuse")
+# The modules the judging runs through (the mistakes live there).
+MODULES = ("judge.py", "compare.py", "tolerance.py", "collect.py", "report.py", "cli.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class HarnessMutant:
+    """One realistic single mistake in the judging code, applied as a text patch to a copy of
+    harness/<module>. `old` must occur exactly once in the module; `more` holds further
+    (old, new) pairs of the same mistake in that module (same rule). `killing_test` is the
+    pytest node id of the test that must fail on it; `rule` the judge's rule it breaks
+    (docs/JUDGING.md's row), `kind` which of KINDS it is."""
+
+    name: str
+    kind: str
+    module: str
+    old: str
+    new: str
+    killing_test: str
+    rule: str
+    mistake: str
+    more: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def edits(self) -> tuple[tuple[str, str], ...]:
+        return ((self.old, self.new), *self.more)
+
+
+def _rules(test: str) -> str:
+    return f"{RULES}::{test}"
+
+
+CATALOGUE: tuple[HarnessMutant, ...] = (
+    # ------------------------------------------------------------------- scale of the normalisation
+    HarnessMutant(
+        "scores_scaled_by_whole_tensor", "scale", "judge.py",
+        '    return "row" if quantity in ("index_scores", "stage.scores", "scores") else "tensor"',
+        '    return "tensor"',
+        _rules("test_scores_are_judged_per_query_row_oracle"), "per-row scale of scores",
+        "scores normalised by the whole tensor's largest score instead of each query row's: a "
+        "query whose scores are small is judged 10-10^4 times more loosely",
+    ),
+    HarnessMutant(
+        "row_scale_over_the_query_axis", "scale", "compare.py",
+        "        denom = np.max(mag, axis=-1, keepdims=True)",
+        "        denom = np.max(mag, axis=-2, keepdims=True)",
+        _rules("test_scores_are_judged_per_query_row_chunk"), "per-row scale of scores",
+        "the per-row scale taken over the wrong axis (each block's largest score over the queries)",
+    ),
+    HarnessMutant(
+        "reference_error_scaled_by_whole_tensor", "scale", "compare.py",
+        "normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)",
+        "normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle))",
+        _rules("test_a_small_rows_reference_error_counts_per_row"), "per-row scale of scores",
+        "the reference's own error normalised by the whole tensor while the candidate's is per row: "
+        "the baseline shrinks where the reference's error sits in a small row",
+    ),
+    HarnessMutant(
+        "tie_window_scaled_by_whole_tensor", "scale", "judge.py",
+        "finite.max(axis=-1) if oracle_scores.shape[-1]",
+        "np.full(oracle_scores.shape[:-1], finite.max()) if oracle_scores.shape[-1]",
+        _rules("test_topk_tie_window_is_the_score_bound_of_the_row"), "top-k tie window",
+        "the tie window scaled by the whole tensor's largest score: a small row excuses swaps far "
+        "beyond its own score bound",
+    ),
+    # ------------------------------------------------------------------- bounds
+    HarnessMutant(
+        "oracle_alpha_squared", "bound", "compare.py",
+        "    bound = alpha * max(t_err, floor)",
+        "    bound = alpha * alpha * max(t_err, floor)",
+        _rules("test_oracle_bound_is_alpha_times_the_reference_error_at_dtype"), "oracle bound",
+        "the oracle bound alpha^2 * max(err, floor) instead of alpha * max(err, floor): every oracle "
+        "check 2-3x looser (the 36 planted jax_impl bugs are gross enough to fail anyway)",
+    ),
+    HarnessMutant(
+        "reduction_floor_linear_in_n", "bound", "tolerance.py",
+        "        value = max(value, n ** 0.5 * WIDE_U)",
+        "        value = max(value, n * WIDE_U)",
+        _rules("test_oracle_floor_scales_with_sqrt_n"), "sqrt(n) floor",
+        "the reduction floor n unit roundoffs instead of sqrt(n) (a worst case, not a random walk): "
+        "16-90x looser floors",
+    ),
+    HarnessMutant(
+        "floor_of_another_dtype", "bound", "tolerance.py",
+        "    value = FLOOR[dtype][kind]",
+        '    value = FLOOR["bfloat16"][kind]',
+        _rules("test_oracle_floor_when_the_reference_is_exact"), "oracle floor",
+        "every dtype's floor read from the bfloat16 row: float32 floors 2^15 times looser",
+    ),
+    HarnessMutant(
+        "order_error_ignored", "bound", "judge.py",
+        "order_error=refs.order_errors.get(baseline_name))",
+        "order_error=None)",
+        _rules("test_oracle_baseline_is_at_least_the_stored_order_error"), "order-error baseline",
+        "the stored order error never consulted: a lucky draw of the reference's rounding sets the bound",
+    ),
+    HarnessMutant(
+        "exact64_bound_widened", "bound", "tolerance.py",
+        "        return EXACT64\n",
+        "        return 1e3 * EXACT64\n",
+        _rules("test_exact64_bound_is_1e_12_whatever_the_reference_error"), "exact64 bound",
+        "float64 against the float64 oracle judged to 1e-9 instead of 1e-12",
+    ),
+    HarnessMutant(
+        "chunk_bound_of_another_dtype", "bound", "tolerance.py",
+        "    return CHUNK[dtype][numeric_kind(quantity)]",
+        '    return CHUNK["bfloat16"][numeric_kind(quantity)]',
+        _rules("test_chunk_bound_is_the_tight_chunk_table_against_native"), "chunk bound",
+        "every dtype's chunk check read from the bfloat16 row: float32 chunked-vs-native 2.5-20x looser",
+    ),
+    HarnessMutant(
+        "stage_alpha_of_gradients", "bound", "judge.py",
+        'base, policy.alpha("compressed_keys"),',
+        'base, policy.alpha("grad.stage"),',
+        _rules("test_stage_checks_are_the_forward_oracle_rule"), "stage rule",
+        "the forward stages of the first-divergence diagnosis judged with the gradients' alpha (3, not 2)",
+    ),
+    # ------------------------------------------------------------------- statuses and verdicts
+    HarnessMutant(
+        "error_status_not_failed", "verdict", "compare.py",
+        "        return self.status in (FAILED, ERROR)",
+        "        return self.status == FAILED",
+        _rules("test_an_error_status_fails_the_check_the_test_and_the_run"), "error status fails",
+        "a plug-in that raised at a point (status error) no longer fails the matrix test",
+    ),
+    HarnessMutant(
+        "not_provided_counted_as_passed", "verdict", "compare.py",
+        "        return self.status in (PASSED, EXCUSED)",
+        "        return self.status in (PASSED, EXCUSED, NOT_PROVIDED)",
+        _rules("test_each_status_maps_to_its_verdict"), "status -> verdict",
+        "a quantity the implementation does not provide counted as passed",
+    ),
+    HarnessMutant(
+        "error_reported_as_not_provided", "verdict", "judge.py",
+        "    if outputs.error:",
+        "    if outputs.error and outputs.not_applicable:",
+        _rules("test_an_error_status_fails_the_check_the_test_and_the_run"), "error status fails",
+        "the judge reads a point where the plug-in raised as missing quantities (not provided) "
+        "instead of an error",
+    ),
+    # ------------------------------------------------------------------- what is judged against what
+    HarnessMutant(
+        "native_taken_from_the_chunked_point", "reference", "collect.py",
+        "native=outputs(entry.impl, p.case, p.native) if p.native else None,",
+        "native=outputs(entry.impl, p.case, p) if p.native else None,",
+        _rules("test_collect_judges_a_chunked_point_against_its_native_point"), "chunk against native",
+        "the native reference of a chunked point collected at the chunked point itself: every chunk "
+        "check compares a run with itself",
+    ),
+    HarnessMutant(
+        "order_errors_of_another_dtype", "reference", "collect.py",
+        "order_errors=order_errors(p.case, p.dtype),",
+        'order_errors=order_errors(p.case, "bfloat16"),',
+        _rules("test_collect_hands_the_entrys_dtype_order_errors"), "order-error baseline",
+        "the stored order errors of bfloat16 handed to every dtype's oracle check",
+    ),
+    HarnessMutant(
+        "sel_baseline_from_own_selection", "reference", "judge.py",
+        "refs, own, at_sel, p.dtype, policy, sel=True)",
+        "refs, own, own, p.dtype, policy, sel=True)",
+        _rules("test_oracle_at_sel_is_the_oracle_rule_on_the_oracles_selection"), "oracle@sel",
+        "oracle@sel's baseline taken from the reference at t on its own selection, not the oracle's",
+    ),
+    HarnessMutant(
+        "chunk_at_sel_against_the_oracle", "reference", "judge.py",
+        "outputs[at_sel], refs.native[at_sel], bound)",
+        "outputs[at_sel], refs.oracle[own], bound)",
+        _rules("test_chunk_at_sel_is_against_natives_run_on_the_oracles_selection"), "chunk@sel",
+        "chunk@sel compares with the oracle instead of the native run (the tight bound against the "
+        "wrong reference)",
+    ),
+    HarnessMutant(
+        "chunk_topk_against_the_oracle", "reference", "judge.py",
+        'check="chunk-topk", against=refs.native)',
+        'check="chunk-topk", against=None)',
+        _rules("test_chunk_topk_compares_against_native_with_the_oracles_window"), "chunk-topk against native",
+        "chunked picks compared with the oracle's instead of native's (repeats the topk check)",
+    ),
+    HarnessMutant(
+        "stage_baseline_from_the_candidate", "reference", "judge.py",
+        "refs.oracle[q], refs.at_dtype[q], policy.alpha(q),",
+        "refs.oracle[q], outputs[q], policy.alpha(q),",
+        _rules("test_a_stage_plugins_quantity_is_judged_against_the_references_stage"), "stage entry",
+        "a stage plug-in's baseline error taken from the candidate itself: any stage passes",
+    ),
+    # ------------------------------------------------------------------- non-finite values
+    HarnessMutant(
+        "candidate_nan_ignored", "nan", "compare.py",
+        "    if x_nan.any() or r_nan.any():",
+        "    if r_nan.any():",
+        _rules("test_nan_in_the_candidate_fails_whatever_the_bound"), "NaN fails",
+        "NaN in the candidate left to the normalised error, which skips non-finite entries",
+    ),
+    HarnessMutant(
+        "reference_nan_ignored", "nan", "compare.py",
+        "    if x_nan.any() or r_nan.any():",
+        "    if x_nan.any():",
+        _rules("test_nan_in_the_reference_fails"), "NaN fails",
+        "NaN in the reference (a damaged golden) left to the normalised error, which skips it",
+    ),
+    HarnessMutant(
+        "minus_inf_pattern_ignored", "nan", "compare.py",
+        "    if differ.any():",
+        "    if False and differ.any():",
+        _rules("test_a_changed_minus_inf_pattern_fails_whatever_the_bound"), "-inf pattern exact",
+        "a masked block made visible (or the reverse) not reported",
+    ),
+    HarnessMutant(
+        "isolation_tolerates_tiny_gradients", "nan", "compare.py",
+        "        nz = g != 0",
+        "        nz = np.abs(g) > 1e-300",
+        _rules("test_isolation_is_exactly_zero"), "isolation exactly 0",
+        "input gradients below 1e-300 (and NaN) counted as zero",
+    ),
+    # ------------------------------------------------------------------- the top-k tie rule
+    HarnessMutant(
+        "tie_window_doubled", "tie", "compare.py",
+        "abs(rows[q, i] - kth) <= flat_tol[q] for i in a ^ o)",
+        "abs(rows[q, i] - kth) <= 2 * flat_tol[q] for i in a ^ o)",
+        _rules("test_topk_tie_window_is_the_score_bound_of_the_row"), "top-k tie window",
+        "a swap excused within twice the score bound of the k-th score",
+    ),
+    HarnessMutant(
+        "tie_checks_only_the_new_pick", "tie", "compare.py",
+        "abs(rows[q, i] - kth) <= flat_tol[q] for i in a ^ o)",
+        "abs(rows[q, i] - kth) <= flat_tol[q] for i in a - o)",
+        _rules("test_topk_replaced_pick_far_above_the_kth_is_never_a_tie"), "top-k tie window",
+        "only the candidate's new pick must be near the k-th score, not the pick it replaced: "
+        "dropping the best block for a near-tie is excused",
+    ),
+    # ------------------------------------------------------------------- sparse end to end, excused
+    HarnessMutant(
+        "tie_window_around_the_top_score", "tie", "compare.py",
+        "kth = min(rows[q, i] for i in o)",
+        "kth = max(rows[q, i] for i in o)",
+        _rules("test_topk_tie_window_is_the_score_bound_of_the_row"), "top-k tie window",
+        "the tie window centred on the best pick's score instead of the k-th",
+    ),
+    HarnessMutant(
+        "sparse_chunk_always_excused", "excuse", "judge.py",
+        'if np.array_equal(np.sort(native["topk_indices"], -1), np.sort(outputs["topk_indices"], -1)):',
+        'if False and np.array_equal(np.sort(native["topk_indices"], -1), np.sort(outputs["topk_indices"], -1)):',
+        _rules("test_sparse_end_to_end_chunk_is_compared_when_the_selections_agree"), "sparse end-to-end chunk",
+        "the end-to-end sparse chunk check always excused as differing selections: it never compares",
+    ),
+    HarnessMutant(
+        "sparse_selections_compared_in_order", "excuse", "judge.py",
+        'if np.array_equal(np.sort(native["topk_indices"], -1), np.sort(outputs["topk_indices"], -1)):',
+        'if np.array_equal(native["topk_indices"], outputs["topk_indices"]):',
+        _rules("test_sparse_end_to_end_chunk_is_compared_when_the_selections_agree"), "sparse end-to-end chunk",
+        "selections compared as sequences, not sets: the same blocks in another order excuse the "
+        "end-to-end chunk check",
+    ),
+    HarnessMutant(
+        "sparse_oracle_always_excused", "excuse", "judge.py",
+        "    elif agreement.status == EXCUSED:",
+        "    elif agreement.status != FAILED:",
+        _rules("test_sparse_end_to_end_oracle_is_compared_when_the_selections_agree"), "sparse end-to-end oracle",
+        "the end-to-end sparse oracle check excused even when the selections agree",
+    ),
+    # ------------------------------------------------------------------- the run's verdict and exit code
+    HarnessMutant(
+        "sparse_selection_mismatch_ignored", "excuse", "judge.py",
+        "    if agreement.status == FAILED:",
+        "    if False:",
+        _rules("test_sparse_end_to_end_excused_only_for_boundary_ties"), "sparse end-to-end oracle",
+        "an own selection that differs from the oracle's beyond a tie judged on its numbers alone",
+    ),
+    HarnessMutant(
+        "exit_0_on_failure", "exit", "cli.py",
+        'return 0 if summary["failed"] + summary["errors"] == 0 else 1',
+        'return 0 if summary["errors"] == 0 else 1',
+        _rules("test_cli_exit_code_follows_every_status"), "exit code",
+        "csa-parity exits 0 when checks failed (only errors count)",
+    ),
+    HarnessMutant(
+        "exit_0_on_error", "exit", "cli.py",
+        'return 0 if summary["failed"] + summary["errors"] == 0 else 1',
+        'return 0 if summary["failed"] == 0 else 1',
+        _rules("test_cli_exit_code_follows_every_status"), "exit code",
+        "csa-parity exits 0 when a plug-in raised (only failures count)",
+    ),
+    HarnessMutant(
+        "errors_not_counted_in_the_summary", "exit", "report.py",
+        '"errors": statuses[ERROR],',
+        '"errors": 0,',
+        _rules("test_cli_exit_code_follows_every_status"), "exit code",
+        "the report's summary counts no errors: the run exits 0 and parity.md says PASS",
+    ),
+)
+
+
+class MutationError(RuntimeError):
+    """A catalogue entry that no longer matches the source, or a test run that did not report."""
+
+
+def _ignore(directory, names):
+    return [n for n in names if n == "__pycache__" or n.endswith(".pyc")]
+
+
+def patch_copy(mutant: HarnessMutant | None, dst: Path, src: Path | None = None) -> Path:
+    """Copy `src` (default: this checkout's harness/) to dst/harness, link dst/fixtures to this
+    checkout's fixtures (harness.fixtures finds them beside the package) and apply the mutant's
+    edits. Raises MutationError when an `old` text does not occur exactly once."""
+    src = src or REPO_ROOT / PACKAGE
+    dst = Path(dst)
+    target = dst / PACKAGE
+    shutil.copytree(src, target, ignore=_ignore)
+    (dst / "fixtures").symlink_to(REPO_ROOT / "fixtures", target_is_directory=True)
+    if mutant is None:
+        return target
+    path = target / mutant.module
+    if not path.is_file():
+        raise MutationError(f"mutant {mutant.name!r}: {PACKAGE}/{mutant.module} does not exist")
+    text = path.read_text()
+    for old, new in mutant.edits:
+        n = text.count(old)
+        if n != 1:
+            raise MutationError(
+                f"mutant {mutant.name!r}: its `old` text occurs {n} times in {PACKAGE}/{mutant.module} "
+                f"(expected exactly once): the catalogue is stale, update harness/judge_mutations.py: {old!r}")
+        text = text.replace(old, new)
+    path.write_text(text)
+    return target
+
+
+@dataclasses.dataclass
+class Outcome:
+    name: str
+    returncode: int  # pytest's: 0 all passed, 1 some failed, else it could not run the tests
+    failed: tuple[str, ...]  # node ids of the failed tests
+    rules: tuple[str, ...]  # the rules the failure messages name
+    seconds: float
+    output: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode == 0
+
+    @property
+    def ran(self) -> bool:
+        return self.returncode in (0, 1)
+
+
+# pytest without what these tests do not need: the conftest (it imports JAX for the matrix),
+# xdist, hypothesis, the cache, and the ini's `pythonpath = .` (which would put this checkout's
+# harness before the copy).
+PYTEST_ARGS = ("-o", "addopts=", "-o", "pythonpath=", "-p", "no:cacheprovider", "-p", "no:xdist",
+               "-p", "no:hypothesispytest", "--noconftest", "-q", "-rf", "--tb=short", "--color=no")
+
+
+# A pytest plug-in written beside the copy: once the tests are collected, the harness they
+# imported must be the copy's, or the run stops (exit 4: a usage error, never a kill).
+PROBE = "judge_mutation_probe"
+PROBE_SOURCE = """import os, sys
+import pytest
+
+
+def pytest_collection_finish(session):
+    import harness
+    root = os.path.dirname(os.path.dirname(os.path.abspath(harness.__file__)))
+    if root != os.path.abspath(os.path.dirname(__file__)):
+        raise pytest.UsageError(f"the tests imported {harness.__file__}, not the mutated copy")
+"""
+
+
+def run_tests(copy_root: Path, tests, timeout: float = 300.0) -> Outcome:
+    """Run pytest node ids `tests` (relative to this checkout) in a process that imports the
+    harness copy under `copy_root` (checked: PROBE)."""
+    (Path(copy_root) / f"{PROBE}.py").write_text(PROBE_SOURCE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(copy_root), str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["COLUMNS"] = "250"  # the short summary keeps the rule named in the message
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, "-p", PROBE, "--rootdir", str(REPO_ROOT),
+           *(str(REPO_ROOT / t) for t in tests)]
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=copy_root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise MutationError(f"pytest on {', '.join(tests)} gave no result within {timeout:.0f} s") from None
+    out = proc.stdout + proc.stderr
+    failed = tuple(dict.fromkeys(m.group(1) for m in re.finditer(r"^FAILED (\S+)", out, re.M)))
+    rules = tuple(dict.fromkeys(re.findall(r"rule '([^']+)'", out)))
+    return Outcome("", proc.returncode, failed, rules, time.time() - start, out)
+
+
+def _node_file(test: str) -> str:
+    return test.split("::")[0]
+
+
+def killed_by_its_test(mutant: HarnessMutant, outcome: Outcome) -> bool:
+    """Killed, and by the test the entry names (a node id, or every test of a parametrized one)."""
+    prefix = mutant.killing_test.split("::", 1)[1]
+    return outcome.returncode == 1 and any(
+        f.split("::", 1)[-1] == prefix or f.split("::", 1)[-1].startswith(prefix + "[") for f in outcome.failed)
+
+
+def run_mutant(mutant: HarnessMutant, timeout: float = 300.0) -> Outcome:
+    with tempfile.TemporaryDirectory(prefix=f"harness-mutant-{mutant.name}-") as tmp:
+        patch_copy(mutant, Path(tmp))
+        outcome = run_tests(Path(tmp), [mutant.killing_test], timeout)
+    return dataclasses.replace(outcome, name=mutant.name)
+
+
+def run_clean(catalogue=CATALOGUE, timeout: float = 300.0) -> Outcome:
+    """Every killing test of `catalogue` on an unmutated copy: all must pass."""
+    tests = list(dict.fromkeys(m.killing_test for m in catalogue))
+    with tempfile.TemporaryDirectory(prefix="harness-mutant-clean-") as tmp:
+        patch_copy(None, Path(tmp))
+        outcome = run_tests(Path(tmp), tests, timeout)
+    return dataclasses.replace(outcome, name="clean")
+
+
+def _table(rows) -> str:
+    header = ("mutant", "kind", "module", "killed", "killing test", "rule its failure names (first)", "wall s")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _short(text: str, width: int = 64) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def verdict(mutant: HarnessMutant, outcome: Outcome) -> str:
+    if killed_by_its_test(mutant, outcome):
+        return "yes"
+    if outcome.passed:
+        return "SURVIVED"
+    if not outcome.ran:
+        return f"NO RUN (pytest exit {outcome.returncode})"
+    return "yes (by another test)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.judge_mutations", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated mutant names (default: all)")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run side by side (default 1)")
+    ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
+    ap.add_argument("--json", help="also write the outcomes to this file")
+    args = ap.parse_args(argv)
+    chosen = list(CATALOGUE)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        known = {m.name: m for m in CATALOGUE}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            print(f"harness.judge_mutations: error: unknown mutant(s) {unknown} (valid: {', '.join(known)})",
+                  file=sys.stderr)
+            return 2
+        chosen = [known[n] for n in names]
+    for m in chosen:  # a stale entry fails before anything runs
+        with tempfile.TemporaryDirectory() as tmp:
+            patch_copy(m, Path(tmp))
+    start = time.time()
+    clean = None if args.no_clean else run_clean(chosen)
+    with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        outcomes = dict(zip([m.name for m in chosen], pool.map(run_mutant, chosen)))
+    wall = time.time() - start
+    rows = []
+    for m in chosen:
+        o = outcomes[m.name]
+        rows.append((m.name, m.kind, m.module, verdict(m, o), m.killing_test.split("::", 1)[1],
+                     _short(o.rules[0]) if o.rules else "-", f"{o.seconds:.1f}"))
+    print(_table(rows))
+    print()
+    killed = sum(r[3] == "yes" for r in rows)
+    print(f"killed by their named test: {killed}/{len(chosen)}  (wall {wall:.1f} s with {args.jobs} job(s))")
+    if clean is not None:
+        print(f"clean run: {'pass' if clean.passed else 'FAIL'} ({len(set(m.killing_test for m in chosen))} "
+              f"killing tests, {clean.seconds:.1f} s)")
+        if not clean.passed:
+            print(clean.output[-4000:])
+    for m in chosen:
+        if outcomes[m.name].passed or not outcomes[m.name].ran:
+            print(f"\n--- {m.name}: {verdict(m, outcomes[m.name])}\n{outcomes[m.name].output[-2000:]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"wall_s": wall, "outcomes": [
+            {**dataclasses.asdict(o), "output": o.output[-2000:]} for o in outcomes.values()]}, indent=1))
+    return 0 if killed == len(chosen) and (clean is None or clean.passed) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Mutation self-test of the judge: every mistake of harness/judge_mutations.py's catalogue is
+caught by the test its entry names, and every one of those tests passes on the unmutated code.
+
+Each mutant is applied to a temporary copy of harness/ (never the committed source) and its
+killing test (tests/test_judge_rules.py) runs in a pytest process of its own that imports the
+copy (checked by a probe plug-in: a run that imported this checkout's harness stops, it never
+counts as a kill). A surviving mutant fails its own test, named after it; so does one killed
+only by a crash or by another test. `python -m harness.judge_mutations` prints the kill table.
+
+Cost: one pytest start per mutant (no conftest, no JAX program): about 1 s of one core each,
+some 40 CPU-seconds for the file on the 2-core machine. `make test` runs it in its second
+process, beside the matrix.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from harness.judge_mutations import (
+    CATALOGUE,
+    KINDS,
+    MODULES,
+    PACKAGE,
+    HarnessMutant,
+    MutationError,
+    killed_by_its_test,
+    patch_copy,
+    run_clean,
+    run_mutant,
+    run_tests,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _describe(outcome) -> str:
+    return outcome.output[-3000:]
+
+
+def test_clean_copy_passes_every_killing_test():
+    outcome = run_clean()
+    assert outcome.passed, (
+        f"the unmutated harness fails killing tests {', '.join(outcome.failed) or '(pytest exit '}"
+        f"{'' if outcome.failed else str(outcome.returncode) + ')'}, so a killed mutant proves nothing:\n"
+        f"{_describe(outcome)}")
+
+
+@pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.name for m in CATALOGUE])
+def test_harness_mutant_is_killed_by_its_test(mutant: HarnessMutant):
+    outcome = run_mutant(mutant)
+    assert outcome.ran, (f"mutant {mutant.name!r}: pytest could not run {mutant.killing_test} on the mutated "
+                         f"copy (exit {outcome.returncode}); a crash is not a kill:\n{_describe(outcome)}")
+    assert not outcome.passed, (
+        f"mutant {mutant.name!r} SURVIVED: {mutant.killing_test} passes with harness/{mutant.module} "
+        f"mistaken ({mutant.mistake}); the rule {mutant.rule!r} can go soft unnoticed")
+    assert killed_by_its_test(mutant, outcome), (
+        f"mutant {mutant.name!r} was killed by {', '.join(outcome.failed)}, not by {mutant.killing_test}")
+
+
+# ----------------------------------------------------------------------------- the catalogue
+
+
+def _test_functions(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+
+
+def test_catalogue_is_complete():
+    names = [m.name for m in CATALOGUE]
+    assert len(set(names)) == len(names), "mutant names must be unique"
+    assert {m.kind for m in CATALOGUE} == set(KINDS), sorted(set(KINDS) - {m.kind for m in CATALOGUE})
+    assert {m.module for m in CATALOGUE} == set(MODULES), sorted(set(MODULES) - {m.module for m in CATALOGUE})
+    for m in CATALOGUE:
+        assert m.kind in KINDS and m.module in MODULES, m.name
+        assert m.rule and m.mistake, m.name
+        test_file, _, test_id = m.killing_test.partition("::")
+        assert (ROOT / test_file).is_file(), f"{m.name}: killing test file {test_file} does not exist"
+        assert test_id.split("[")[0] in _test_functions(ROOT / test_file), \
+            f"{m.name}: killing test {m.killing_test} does not exist"
+
+
+def test_every_mutant_still_applies_exactly_once():
+    """A stale catalogue (the source moved on) fails here, by name, before anything runs."""
+    stale = []
+    for m in CATALOGUE:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                target = patch_copy(m, Path(tmp))
+            except MutationError as e:
+                stale.append(str(e))
+                continue
+            assert (target / m.module).read_text() != (ROOT / PACKAGE / m.module).read_text(), m.name
+    assert not stale, "\n".join(stale)
+
+
+def test_a_stale_entry_fails_loudly(tmp_path):
+    m = HarnessMutant("stale", "bound", "compare.py", "this text is not in compare.py", "", "tests/x.py::t", "r",
+                      "none")
+    with pytest.raises(MutationError, match=r"mutant 'stale': its `old` text occurs 0 times in "
+                                             r"harness/compare.py \(expected exactly once\)"):
+        patch_copy(m, tmp_path)
+
+
+def test_the_committed_source_is_never_touched(tmp_path):
+    root = ROOT / PACKAGE
+    before = {p.name: p.read_bytes() for p in root.glob("*.py")}
+    for m in CATALOGUE[:4]:
+        patch_copy(m, tmp_path / m.name)
+    assert {p.name: p.read_bytes() for p in root.glob("*.py")} == before
+
+
+def test_the_test_process_imports_the_copy(tmp_path):
+    """The probe stops a run whose tests imported another harness than the copy: here the copy
+    holds no harness/ at all, so the tests import this checkout's, and pytest exits 4."""
+    (tmp_path / "copy").mkdir()
+    outcome = run_tests(tmp_path / "copy", [CATALOGUE[0].killing_test])
+    assert outcome.returncode == 4 and "not the mutated copy" in outcome.output, outcome.output[-2000:]
+    assert not outcome.ran
+
+
+def test_the_judging_doc_names_every_mutant_and_only_real_tests():
+    """docs/JUDGING.md's table: every mutant of the catalogue appears, and every test and
+    mutant it names exists."""
+    import re
+
+    doc = (ROOT / "docs" / "JUDGING.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| ") and "`test_" in line]
+    named_tests = {t for row in rows for t in re.findall(r"`(test_\w+)`", row)}
+    named_mutants = {m for row in rows for m in re.findall(r"`([a-z0-9_]+)`", re.split(r"(?<!\\)\|", row)[3])}
+    functions = _test_functions(ROOT / "tests" / "test_judge_rules.py")
+    assert named_tests <= functions, f"docs/JUDGING.md names tests that do not exist: {sorted(named_tests - functions)}"
+    names = {m.name for m in CATALOGUE}
+    assert named_mutants == names, (f"docs/JUDGING.md and the catalogue disagree: missing from the doc "
+                                    f"{sorted(names - named_mutants)}, unknown {sorted(named_mutants - names)}")
+    for m in CATALOGUE:  # the row naming a mutant names its killing test
+        test = m.killing_test.split("::", 1)[1]
+        assert any(f"`{m.name}`" in row and f"`{test}`" in row for row in rows), \
+            f"docs/JUDGING.md: no row names both {m.name} and its killing test {test}"
