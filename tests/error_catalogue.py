@@ -1,6 +1,6 @@
 """The catalogues of bad configs and bad inputs, with the small problems they mutate, shared
-by tests/test_torch_ref.py (the torch side) and tests/test_bad_inputs.py (both sides; the
-jax side needs no torch). Messages are identical on both sides by docs/API.md. numpy only:
+by tests/test_torch_ref.py and tests/test_torch_ref_teacher.py (the torch side) and
+tests/test_bad_inputs.py (both sides; the jax side needs no torch). Messages are identical on both sides by docs/API.md. numpy only:
 `cfg` is either side's CSAConfig."""
 
 from __future__ import annotations
@@ -64,6 +64,15 @@ def make_inputs(cfg, B: int, S: int, seed: int = 1, docs=None) -> dict[str, np.n
 
 # --------------------------------------------------------------------------- config
 
+# DeepSeek-V4's rope_scaling (SPEC section 1), the base of the rope_scaling entries.
+V4_YARN = {"type": "yarn", "factor": 16, "original_max_position": 65536,
+           "beta_fast": 32, "beta_slow": 1}
+
+
+def _rs(**over):
+    return {**V4_YARN, **over}
+
+
 CONFIG_ERRORS = [
     (dict(emb_dim=2.0), "emb_dim=2.0 must be an int"),
     (dict(emb_dim=0), "emb_dim=0 must be >= 1"),
@@ -103,6 +112,73 @@ CONFIG_ERRORS = [
     (dict(loss_scale="x"), "loss_scale='x' must be a number"),
     (dict(loss_scale=math.inf), "loss_scale=inf must be finite"),
     (dict(loss_scale=math.nan), "loss_scale=nan must be finite"),
+    # sliding_window, teacher_normaliser and rope_scaling (SPEC sections 1, 6 and 8)
+    (dict(sliding_window=-1), "sliding_window=-1 must be an int >= 0 (0: no window)"),
+    (dict(sliding_window=4.0), "sliding_window=4.0 must be an int >= 0 (0: no window)"),
+    (dict(sliding_window=True), "sliding_window=True must be an int >= 0 (0: no window)"),
+    (dict(sliding_window=None), "sliding_window=None must be an int >= 0 (0: no window)"),
+    (dict(teacher_normaliser="softmax"),
+     "teacher_normaliser='softmax' is not supported (valid: joint, compressed)"),
+    (dict(teacher_normaliser=None),
+     "teacher_normaliser=None is not supported (valid: joint, compressed)"),
+    (dict(teacher_normaliser="Joint"),
+     "teacher_normaliser='Joint' is not supported (valid: joint, compressed)"),
+    (dict(rope_scaling="yarn"), "rope_scaling='yarn' must be null or a dict with type 'yarn'"),
+    (dict(rope_scaling=[("type", "yarn")]),
+     "rope_scaling=[('type', 'yarn')] must be null or a dict with type 'yarn'"),
+    (dict(rope_scaling=16), "rope_scaling=16 must be null or a dict with type 'yarn'"),
+    (dict(rope_scaling=_rs(scale=2, mscale=1)),
+     "rope_scaling has unknown key 'scale' (valid: type, factor, original_max_position, "
+     "beta_fast, beta_slow)"),
+    (dict(rope_scaling={"type": "yarn", "mscale": 1}),  # unknown before missing
+     "rope_scaling has unknown key 'mscale' (valid: type, factor, original_max_position, "
+     "beta_fast, beta_slow)"),
+    (dict(rope_scaling={}), "rope_scaling is missing key 'type'"),
+    (dict(rope_scaling={"beta_slow": 1, "factor": 2}), "rope_scaling is missing key 'type'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 2, "beta_fast": 32}),
+     "rope_scaling is missing key 'original_max_position'"),
+    (dict(rope_scaling={k: v for k, v in V4_YARN.items() if k != "beta_slow"}),
+     "rope_scaling is missing key 'beta_slow'"),
+    (dict(rope_scaling=_rs(type="linear")), "rope_scaling type='linear' is not supported (valid: yarn)"),
+    (dict(rope_scaling=_rs(type=None, factor=0)),  # type before factor
+     "rope_scaling type=None is not supported (valid: yarn)"),
+    (dict(rope_scaling=_rs(factor=0.5)), "rope_scaling factor=0.5 must be a finite number >= 1"),
+    (dict(rope_scaling=_rs(factor=math.inf)), "rope_scaling factor=inf must be a finite number >= 1"),
+    (dict(rope_scaling=_rs(factor=math.nan)), "rope_scaling factor=nan must be a finite number >= 1"),
+    (dict(rope_scaling=_rs(factor=True)), "rope_scaling factor=True must be a finite number >= 1"),
+    (dict(rope_scaling=_rs(factor="16")), "rope_scaling factor='16' must be a finite number >= 1"),
+    (dict(rope_scaling=_rs(factor=0, original_max_position=0)),  # factor before L0
+     "rope_scaling factor=0 must be a finite number >= 1"),
+    (dict(rope_scaling=_rs(original_max_position=0)),
+     "rope_scaling original_max_position=0 must be an int >= 1"),
+    (dict(rope_scaling=_rs(original_max_position=65536.0)),
+     "rope_scaling original_max_position=65536.0 must be an int >= 1"),
+    (dict(rope_scaling=_rs(original_max_position=True)),
+     "rope_scaling original_max_position=True must be an int >= 1"),
+    (dict(rope_scaling=_rs(original_max_position=0, beta_fast=0)),  # L0 before the betas
+     "rope_scaling original_max_position=0 must be an int >= 1"),
+    (dict(rope_scaling=_rs(beta_fast=1, beta_slow=1)),
+     "rope_scaling beta_fast=1, beta_slow=1 must satisfy beta_fast > beta_slow > 0"),
+    (dict(rope_scaling=_rs(beta_fast=1, beta_slow=32)),
+     "rope_scaling beta_fast=1, beta_slow=32 must satisfy beta_fast > beta_slow > 0"),
+    (dict(rope_scaling=_rs(beta_slow=0)),
+     "rope_scaling beta_fast=32, beta_slow=0 must satisfy beta_fast > beta_slow > 0"),
+    (dict(rope_scaling=_rs(beta_slow=-1.0)),
+     "rope_scaling beta_fast=32, beta_slow=-1.0 must satisfy beta_fast > beta_slow > 0"),
+    (dict(rope_scaling=_rs(beta_fast=math.inf)),
+     "rope_scaling beta_fast=inf, beta_slow=1 must satisfy beta_fast > beta_slow > 0"),
+    (dict(rope_scaling=_rs(beta_slow=math.nan)),
+     "rope_scaling beta_fast=32, beta_slow=nan must satisfy beta_fast > beta_slow > 0"),
+    (dict(rope_scaling=_rs(beta_fast="32")),
+     "rope_scaling beta_fast='32', beta_slow=1 must satisfy beta_fast > beta_slow > 0"),
+    (dict(rope_scaling=_rs(beta_slow=False)),
+     "rope_scaling beta_fast=32, beta_slow=False must satisfy beta_fast > beta_slow > 0"),
+    # field order: loss_scale, sliding_window, teacher_normaliser, rope_scaling
+    (dict(loss_scale=math.inf, sliding_window=-1), "loss_scale=inf must be finite"),
+    (dict(sliding_window=-1, teacher_normaliser="x"),
+     "sliding_window=-1 must be an int >= 0 (0: no window)"),
+    (dict(teacher_normaliser="x", rope_scaling="yarn"),
+     "teacher_normaliser='x' is not supported (valid: joint, compressed)"),
 ]
 
 # --------------------------------------------------------------------------- input checks
@@ -114,9 +190,17 @@ def _set(name, value):
     return mutate
 
 
-def _del(name):
+def _del(*names):
     def mutate(inputs, params):
-        (params if name.startswith("indexer.") else inputs).pop(name)
+        for name in names:
+            (params if name.startswith("indexer.") else inputs).pop(name)
+    return mutate
+
+
+def _both(*mutations):
+    def mutate(inputs, params):
+        for m in mutations:
+            m(inputs, params)
     return mutate
 
 
@@ -187,3 +271,63 @@ INPUT_ERRORS = [
      "params['indexer.wgate'] contains NaN/Inf at index (5, 7)"),
 ]
 
+# The joint teacher's inputs (SPEC sections 4 and 8), each under the config that reads them
+# (SMALL with `over`: the sink under the joint teacher, teacher_window_kv only with a
+# sliding window), on the same B=2, S=64 problem: (over, mutate, message).
+TEACHER_INPUT_ERRORS = [
+    (dict(), _del("attention_sink"), "missing input 'attention_sink'"),
+    (dict(sliding_window=4), _del("teacher_window_kv"), "missing input 'teacher_window_kv'"),
+    (dict(sliding_window=4), _del("attention_sink", "teacher_window_kv"),
+     "missing input 'teacher_window_kv'"),
+    (dict(sliding_window=4), _del("teacher_kv", "teacher_window_kv"),
+     "missing input 'teacher_kv'"),
+    (dict(sliding_window=4), _del("attention_sink", "segment_ids"),
+     "missing input 'attention_sink'"),
+    (dict(sliding_window=4), _set("teacher_window_kv", lambda a: a[:, :63]),
+     "inputs['teacher_window_kv'] has shape (2, 63, 32); expected [B, S, head_dim] = [2, 64, 32]"),
+    (dict(sliding_window=4), _set("teacher_window_kv", lambda a: a[..., None]),
+     "inputs['teacher_window_kv'] has shape (2, 64, 32, 1); "
+     "expected [B, S, head_dim] = [2, 64, 32]"),
+    (dict(), _set("attention_sink", lambda a: a[:7]),
+     "inputs['attention_sink'] has shape (7,); expected [num_query_heads] = [8]"),
+    (dict(), _set("attention_sink", lambda a: np.float32(0.0)),
+     "inputs['attention_sink'] has shape (); expected [num_query_heads] = [8]"),
+    (dict(sliding_window=4), _set("attention_sink", lambda a: a.astype(np.int64)),
+     "inputs['attention_sink'] has dtype int64; expected a floating dtype"),
+    (dict(sliding_window=4), _set("teacher_window_kv", lambda a: a.astype(np.int32)),
+     "inputs['teacher_window_kv'] has dtype int32; expected a floating dtype"),
+    (dict(sliding_window=4), _at("teacher_window_kv", (1, 5, 3), np.nan),
+     "inputs['teacher_window_kv'] contains NaN/Inf at index (1, 5, 3)"),
+    (dict(sliding_window=4), _at("teacher_window_kv", (0, 0, 0), -np.inf),
+     "inputs['teacher_window_kv'] contains NaN/Inf at index (0, 0, 0)"),
+    (dict(), _at("attention_sink", 3, np.nan),
+     "inputs['attention_sink'] contains NaN or +Inf at index (3,) (-inf is allowed: no sink)"),
+    (dict(), _at("attention_sink", 3, np.inf),
+     "inputs['attention_sink'] contains NaN or +Inf at index (3,) (-inf is allowed: no sink)"),
+    # phases and order
+    (dict(sliding_window=4),
+     _both(_set("teacher_kv", lambda a: a[:, :3]), _at("teacher_window_kv", 0, np.nan)),
+     "inputs['teacher_kv'] has shape (2, 3, 32); expected [B, W, head_dim] = [2, 16, 32]"),
+    (dict(sliding_window=4),
+     _both(_set("attention_sink", lambda a: a[:2]), _set("teacher_window_kv", lambda a: a[:1])),
+     "inputs['teacher_window_kv'] has shape (1, 64, 32); expected [B, S, head_dim] = [2, 64, 32]"),
+    (dict(sliding_window=4),
+     _both(_set("attention_sink", lambda a: a[:2]), _at("teacher_window_kv", 0, np.nan)),
+     "inputs['attention_sink'] has shape (2,); expected [num_query_heads] = [8]"),
+    (dict(sliding_window=4),
+     _both(_at("attention_sink", 0, np.nan), _at("teacher_window_kv", (0, 1, 2), np.nan)),
+     "inputs['teacher_window_kv'] contains NaN/Inf at index (0, 1, 2)"),
+    (dict(),
+     _both(_at("attention_sink", 0, np.nan), _set("segment_ids", lambda a: a * 1.0)),
+     "inputs['attention_sink'] contains NaN or +Inf at index (0,) (-inf is allowed: no sink)"),
+    (dict(sliding_window=4), _at("teacher_window_kv", (1, 2, 3), np.inf),
+     "inputs['teacher_window_kv'] contains NaN/Inf at index (1, 2, 3)"),
+    (dict(sliding_window=4), _del("attention_sink"), "missing input 'attention_sink'"),
+    # the compressed teacher reads neither: their absence is no error, the next fault is
+    (dict(sliding_window=4, teacher_normaliser="compressed"),
+     _both(_del("attention_sink", "teacher_window_kv"), _set("teacher_kv", lambda a: a[:, :3])),
+     "inputs['teacher_kv'] has shape (2, 3, 32); expected [B, W, head_dim] = [2, 16, 32]"),
+    # without a window teacher_window_kv is not read, so not checked: the sink's fault shows
+    (dict(), _both(_set("teacher_window_kv", lambda a: a[:1]), _at("attention_sink", 2, np.inf)),
+     "inputs['attention_sink'] contains NaN or +Inf at index (2,) (-inf is allowed: no sink)"),
+]

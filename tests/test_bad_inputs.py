@@ -43,7 +43,14 @@ from harness.fixtures import (
     write_manifest,
     write_safetensors,
 )
-from error_catalogue import CONFIG_ERRORS, INPUT_ERRORS, SMALL, make_inputs, make_params
+from error_catalogue import (
+    CONFIG_ERRORS,
+    INPUT_ERRORS,
+    SMALL,
+    TEACHER_INPUT_ERRORS,
+    make_inputs,
+    make_params,
+)
 
 
 class _TorchSide:
@@ -159,7 +166,7 @@ MORE_INPUT_ERRORS = [
 # The rules that need values (NaN/Inf, negative or decreasing positions): jax_impl checks them
 # on the host in validate_inputs only; every other rule is structure (names, shapes, dtypes),
 # checked by the traceable entry points too, concrete or traced.
-VALUE_RULES = ("contains NaN/Inf", "negative position", "decreases inside a document")
+VALUE_RULES = ("contains NaN/Inf", "contains NaN or +Inf", "negative position", "decreases inside a document")
 
 
 def _is_value_rule(message):
@@ -181,6 +188,80 @@ def test_jax_input_check_has_the_same_message(mutate, message):
         with pytest.raises(ValueError) as e:
             jax_impl.indexer_loss_and_grads(params, inputs, cfg, "float32")
         assert str(e.value) == message
+
+
+# Where two faults of different kinds meet, each side names its first: torch checks float
+# values before the integer dtypes, jax_impl every structure rule (its entry points run them,
+# traced) before any value. One entry of TEACHER_INPUT_ERRORS has such a pair.
+JAX_FIRST_FAULT = {
+    "inputs['attention_sink'] contains NaN or +Inf at index (0,) (-inf is allowed: no sink)":
+        "inputs['segment_ids'] has dtype float64; expected an integer dtype",
+}
+
+
+@pytest.mark.parametrize("over,mutate,message", TEACHER_INPUT_ERRORS,
+                         ids=[m for _, _, m in TEACHER_INPUT_ERRORS])
+def test_jax_teacher_input_check_has_the_same_message(over, mutate, message):
+    """The joint teacher's inputs, under the config that reads them: torch's message from
+    validate_inputs, and for a structure rule from the entry point too, eager and under jit
+    (a missing input has no traced form: jit sees the dict without it, the same line)."""
+    cfg = jax_impl.CSAConfig(**{**SMALL, **over})
+    params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
+    mutate(inputs, params)
+    message = JAX_FIRST_FAULT.get(message, message)
+    with pytest.raises(ValueError) as e:
+        jax_impl.validate_inputs(params, inputs, cfg)
+    assert str(e.value) == message
+    if not _is_value_rule(message):
+        with pytest.raises(ValueError) as e:
+            jax_impl.indexer_loss_and_grads(params, inputs, cfg, "float32")
+        assert str(e.value) == message
+        with pytest.raises(ValueError) as e:
+            jax.jit(lambda p, x: jax_impl.indexer_loss(p, x, cfg, "float32"))(params, inputs)
+        assert str(e.value) == message
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_sink_of_minus_inf_is_accepted(side):
+    """-inf is a head without a sink (SPEC section 8), the one non-finite value an input may
+    hold; every sink -inf with a window still gives a finite loss and gradients."""
+    cfg = side.CSAConfig(**{**SMALL, "sliding_window": 4})
+    params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
+    for sink in ([-np.inf] + [0.5] * 7, [-np.inf] * 8):
+        x = dict(inputs, attention_sink=np.array(sink, np.float32))
+        if side is jax_impl:
+            jax_impl.validate_inputs(params, x, cfg)
+        else:
+            side.validate_inputs(x, cfg)
+        loss, pg, _ = side.indexer_loss_and_grads(params, x, cfg, "float32")
+        assert np.isfinite(float(loss))
+        assert all(np.isfinite(np.asarray(g)).all() for g in pg.values())
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_teacher_inputs_are_required_only_when_the_config_reads_them(side):
+    """The compressed teacher reads neither new input; the joint one without a window reads
+    the sink alone; the forward pass reads neither. One not read is not checked either."""
+    base = make_inputs(side.CSAConfig(**SMALL), 2, 64)
+    bare = {k: v for k, v in base.items() if k not in ("teacher_window_kv", "attention_sink")}
+    junk = dict(bare, attention_sink=np.full(3, np.nan, np.float32),
+                teacher_window_kv=np.full((2, 5, 32), np.inf, np.float32))
+
+    def loss(cfg, inputs):
+        return float(side.indexer_loss_and_grads(make_params(cfg), inputs, cfg, "float32")[0])
+
+    comp = side.CSAConfig(**{**SMALL, "sliding_window": 4, "teacher_normaliser": "compressed"})
+    assert loss(comp, bare) == loss(comp, junk) and np.isfinite(loss(comp, bare))
+    joint = side.CSAConfig(**SMALL)  # no window: the sink only
+    sink_only = dict(bare, attention_sink=base["attention_sink"])
+    assert np.isfinite(loss(joint, sink_only))
+    assert loss(joint, sink_only) == loss(joint, dict(sink_only, teacher_window_kv=junk["teacher_window_kv"]))
+    windowed = side.CSAConfig(**{**SMALL, "sliding_window": 4})
+    for cfg in (comp, joint, windowed):
+        side.indexer_forward(make_params(cfg), junk, cfg, "float32")
+    with pytest.raises(ValueError) as e:
+        side.indexer_loss_and_grads(make_params(windowed), sink_only, windowed, "float32")
+    assert str(e.value) == "missing input 'teacher_window_kv'"
 
 
 @pytest.mark.parametrize("side", SIDES)
@@ -249,6 +330,11 @@ CHECKIFY_ERRORS = [
      "params['indexer.wgate'] contains NaN/Inf at index (5, 7)"),
     (_at("position_ids", (1, 0), -1), "inputs['position_ids'] has a negative position -1 at (b, s)=(1, 0)"),
     (_at("position_ids", (0, 5), 3), "inputs['position_ids'] decreases inside a document at (b, s)=(0, 5): 4 -> 3"),
+    (_at("attention_sink", 6, np.nan),
+     "inputs['attention_sink'] contains NaN or +Inf at index (6,) (-inf is allowed: no sink)"),
+    (_at("attention_sink", 1, np.inf),
+     "inputs['attention_sink'] contains NaN or +Inf at index (1,) (-inf is allowed: no sink)"),
+    (_at("teacher_window_kv", (1, 9, 4), -np.inf), "inputs['teacher_window_kv'] contains NaN/Inf at index (1, 9, 4)"),
 ]
 
 
@@ -256,8 +342,9 @@ CHECKIFY_ERRORS = [
 def test_jax_checkify_variant_reports_the_value_rule_inside_jit(mutate, message):
     from jax.experimental import checkify
 
-    cfg = jax_impl.CSAConfig(**SMALL)
+    cfg = jax_impl.CSAConfig(**{**SMALL, "sliding_window": 4})  # every input read, the window's too
     params, inputs = make_params(cfg), make_inputs(cfg, 2, 16)
+    inputs["attention_sink"][0] = -np.inf  # allowed: no sink for head 0
 
     def checked(p, x):
         jax_impl.checkify_inputs(p, x, cfg)
@@ -319,6 +406,21 @@ def _inf_teacher(d):
     _rewrite(d / "tiny.safetensors", {"teacher_kv": kv})
 
 
+def _sink_at(value):
+    def damage(d):
+        sink = _array(d / "tiny.safetensors", "attention_sink")
+        sink[1] = value
+        _rewrite(d / "tiny.safetensors", {"attention_sink": sink})
+    damage.__name__ = f"_{value}_sink"
+    return damage
+
+
+def _inf_window(d):
+    kv = _array(d / "tiny.safetensors", "teacher_window_kv")
+    kv[0, 7, 3] = np.inf
+    _rewrite(d / "tiny.safetensors", {"teacher_window_kv": kv})
+
+
 def _nan_param(d):
     w = _array(d / "tiny.safetensors", "indexer.wq_b")
     w[1, 2] = np.nan
@@ -354,6 +456,9 @@ VALUE_ERRORS = [
     (_nan_input, "tensor 'q_latent' holds nan at index (0, 3, 1) (inputs and parameters must be finite)"),
     (_inf_teacher, "tensor 'teacher_kv' holds -inf at index (0, 2, 5) (inputs and parameters must be finite)"),
     (_nan_param, "tensor 'indexer.wq_b' holds nan at index (1, 2) (inputs and parameters must be finite)"),
+    (_sink_at(np.nan), "tensor 'attention_sink' holds nan at index (1,) (a sink logit is finite or -inf)"),
+    (_sink_at(np.inf), "tensor 'attention_sink' holds inf at index (1,) (a sink logit is finite or -inf)"),
+    (_inf_window, "tensor 'teacher_window_kv' holds inf at index (0, 7, 3) (inputs and parameters must be finite)"),
     (_decreasing_positions,
      "tensor 'position_ids' holds 2 at index (0, 6) (positions must not decrease inside a document)"),
     (_nan_golden, "tensor 'golden.float32.loss.sparse' holds nan (goldens must be finite, but for -inf at "
@@ -373,6 +478,14 @@ def test_fixture_value_error(copy_dir, damage, message):
     msg = str(e.value)
     assert msg.startswith(f"{copy_dir}/tiny.safetensors: {message}: restore it with `git checkout --"), msg
     assert "--case tiny" in msg
+
+
+def test_fixture_sink_of_minus_inf_is_loaded(copy_dir):
+    """-inf is a head without a sink: a fixture may hold it (window_only holds it for every head)."""
+    _sink_at(-np.inf)(copy_dir)
+    case = load_case("tiny", copy_dir)
+    assert case.inputs["attention_sink"][1] == -np.inf
+    assert (load_case("window_only").inputs["attention_sink"] == -np.inf).all()
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -464,7 +577,7 @@ CLI_FIXTURE_ERRORS = [
     (_missing, ["tiny.safetensors is missing: run `python scripts/regenerate_fixtures.py --case tiny"]),
     (_truncated, ["tiny.safetensors is truncated or corrupt (", "restore it with `git checkout --"]),
     (_not_safetensors, ["tiny.safetensors is truncated or corrupt (the header claims"]),
-    (_old_schema, ["tiny.safetensors has schema version '0', this harness reads schema version 2"]),
+    (_old_schema, ["tiny.safetensors has schema version '0', this harness reads schema version 3"]),
     (_missing_tensor, ["tiny.safetensors has no tensor 'golden.float64.loss.dense'"]),
     (_wrong_shape, ["tensor 'hidden_states' is [1, 16, 15] float32, but case 'tiny'",
                     "implies [B, S, emb_dim] = [1, 16, 16] float32"]),

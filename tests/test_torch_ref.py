@@ -157,7 +157,10 @@ def test_bad_selection_is_rejected_in_sparse_mode_only():
 
 def loop_reference(params, inputs, cfg: CSAConfig, b: int):
     """SPEC §5-8 in float64 numpy loops, one batch row, dense loss. Written separately from
-    torch_ref.reference on purpose: a second reading of the same text."""
+    torch_ref.reference on purpose: a second reading of the same text. The teacher is the
+    joint one (one softmax per head over the sink, the window tokens and the valid blocks) or,
+    with teacher_normaliser "compressed", each head's softmax over the valid blocks alone;
+    RoPE takes YaRN's frequencies when rope_scaling is set."""
     P = {k: np.asarray(v, np.float64) for k, v in params.items()}
     x = np.asarray(inputs["hidden_states"], np.float64)[b]
     ql = np.asarray(inputs["q_latent"], np.float64)[b]
@@ -165,14 +168,33 @@ def loop_reference(params, inputs, cfg: CSAConfig, b: int):
     seg = np.asarray(inputs["segment_ids"])[b]
     tq = np.asarray(inputs["teacher_query"], np.float64)[b]
     tkv = np.asarray(inputs["teacher_kv"], np.float64)[b]
+    twkv = np.asarray(inputs["teacher_window_kv"], np.float64)[b]
+    sink = np.asarray(inputs["attention_sink"], np.float64)
     S = x.shape[0]
     m, DI, DR, HI = cfg.compress_ratio, cfg.index_head_dim, cfg.rope_head_dim, cfg.index_n_heads
     W = S // m
 
+    def freq(i):
+        base = cfg.rope_theta ** (-2.0 * i / DR)
+        ys = cfg.rope_scaling
+        if ys is None:
+            return base
+
+        def corr(beta):
+            return DR * math.log(ys["original_max_position"] / (2 * math.pi * beta)) \
+                / (2 * math.log(cfg.rope_theta))
+
+        low = max(math.floor(corr(ys["beta_fast"])), 0)
+        high = min(math.ceil(corr(ys["beta_slow"])), DR - 1)
+        if low == high:
+            high += 0.001
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        return base * (1 - ramp) + base / ys["factor"] * ramp
+
     def rope_vec(v, p):
         v = v.copy()
         for i in range(DR // 2):
-            ang = p * cfg.rope_theta ** (-2.0 * i / DR)
+            ang = p * freq(i)
             c0, c1 = DI - DR + 2 * i, DI - DR + 2 * i + 1
             v0, v1 = v[c0], v[c1]
             cos, sin = math.cos(ang), math.sin(ang)
@@ -207,17 +229,24 @@ def loop_reference(params, inputs, cfg: CSAConfig, b: int):
                 score[s, j] = sum(hw[s, h] * max(rope_vec(q[s, h], pos[s]) @ K[j], 0.0)
                                   for h in range(HI)) * DI ** -0.5
 
+    joint = cfg.teacher_normaliser == "joint"
     kls, count = [], 0
     for s in range(S):
         valid = np.isfinite(score[s])
         if not valid.any():
             continue
         count += 1
+        window = [r for r in range(S) if s - cfg.sliding_window < r <= s and seg[r] == seg[s]]
         T = np.zeros(W)
         for h in range(cfg.num_query_heads):
-            a = np.array([tq[s, h] @ tkv[j] if valid[j] else -np.inf for j in range(W)])
-            e = np.exp(a - a.max())
-            T += e / e.sum()
+            a = {j: tq[s, h] @ tkv[j] for j in range(W) if valid[j]}
+            logits = list(a.values())
+            if joint:
+                logits += [tq[s, h] @ twkv[r] for r in window] + [sink[h]]
+            top = max(logits)
+            L = top + math.log(sum(math.exp(v - top) for v in logits))
+            for j, v in a.items():
+                T[j] += math.exp(v - L)
         T = T / (T.sum() + 1e-8)
         z = score[s][valid]
         log_p = z - (z.max() + math.log(np.exp(z - z.max()).sum()))
@@ -226,9 +255,29 @@ def loop_reference(params, inputs, cfg: CSAConfig, b: int):
     return K, score, sum(kls), count
 
 
-def test_matches_independent_loop_implementation_in_float64():
-    cfg = cfg_of(TINY, rope_theta=100.0)
+# A YaRN whose ramp turns pair 1 of the 4 rotated channels at these short lengths:
+# corr(2) = 0.10 -> low 0, corr(0.5) = 0.71 -> high 1 (theta 100, DR 4, L0 16).
+SHORT_YARN = {"type": "yarn", "factor": 4.0, "original_max_position": 16,
+              "beta_fast": 2.0, "beta_slow": 0.5}
+
+
+@pytest.mark.parametrize("over", [
+    dict(),  # the default: the joint teacher, no window (the sink alone joins the blocks)
+    dict(sliding_window=3),  # a window that crosses the document boundary at 5
+    dict(sliding_window=1),  # the query's own token only
+    dict(sliding_window=40),  # wider than the sequence: every earlier token of the document
+    dict(sliding_window=3, teacher_normaliser="compressed"),  # window and sink ignored
+    dict(teacher_normaliser="compressed"),
+    dict(sliding_window=3, rope_scaling=SHORT_YARN),
+], ids=["joint-no-window", "joint-window-3", "joint-window-1", "joint-window-wide",
+        "compressed-window-3", "compressed", "joint-window-3-yarn"])
+@pytest.mark.parametrize("no_sink_head", [False, True], ids=["sinks", "head-1-no-sink"])
+def test_matches_independent_loop_implementation_in_float64(over, no_sink_head):
+    cfg = cfg_of(TINY, rope_theta=100.0, **over)
     params, inputs = make_params(cfg, 3), make_inputs(cfg, 2, 18, seed=4, docs=[5, 13])
+    if no_sink_head:  # a sink of -inf: that head has no sink
+        inputs["attention_sink"] = inputs["attention_sink"].copy()
+        inputs["attention_sink"][1] = -np.inf
     out = indexer_forward(params, inputs, cfg, "float64")
     total, count = 0.0, 0
     for b in range(2):
@@ -241,6 +290,24 @@ def test_matches_independent_loop_implementation_in_float64():
     loss = indexer_loss(params, inputs, cfg, "float64")
     assert loss.dtype == torch.float64
     assert abs(float(loss) - total / count) <= 1e-12 * abs(total / count)
+
+
+def test_loop_teachers_differ_and_meet_without_window_and_sink():
+    """The loop's two teachers are not the same function (the checks above would not tell
+    them apart otherwise), and SPEC §8's identity holds: with no window and every sink -inf,
+    the joint teacher is the compressed one."""
+    cfg = cfg_of(TINY, rope_theta=100.0, sliding_window=3)
+    params, inputs = make_params(cfg, 3), make_inputs(cfg, 2, 18, seed=4, docs=[5, 13])
+    compressed = dataclasses.replace(cfg, teacher_normaliser="compressed")
+    kl_joint = sum(loop_reference(params, inputs, cfg, b)[2] for b in range(2))
+    kl_compressed = sum(loop_reference(params, inputs, compressed, b)[2] for b in range(2))
+    assert abs(kl_joint - kl_compressed) > 1e-3 * abs(kl_compressed)
+    bare = dataclasses.replace(cfg, sliding_window=0)
+    no_sink = dict(inputs, attention_sink=np.full_like(inputs["attention_sink"], -np.inf))
+    kl_bare = sum(loop_reference(params, no_sink, bare, b)[2] for b in range(2))
+    assert abs(kl_bare - kl_compressed) <= 1e-12 * abs(kl_compressed)
+    want = float(indexer_loss(params, inputs, compressed, "float64"))
+    assert abs(float(indexer_loss(params, no_sink, bare, "float64")) - want) <= 1e-12 * abs(want)
 
 
 # --------------------------------------------------------------------------- gradients
@@ -284,14 +351,19 @@ def test_float64_param_grads_match_central_differences(sparse):
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("teacher", [dict(sliding_window=5), dict(teacher_normaliser="compressed")],
+                         ids=["joint-window", "compressed"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_gradient_reaches_params_only(sparse, dtype):
-    cfg = cfg_of(sparse_loss=sparse)
+def test_gradient_reaches_params_only(sparse, dtype, teacher):
+    cfg = cfg_of(sparse_loss=sparse, **teacher)
     params, inputs = make_params(cfg), make_inputs(cfg, 2, 64, docs=[30, 34])
     loss, pg, ig = indexer_loss_and_grads(params, inputs, cfg, dtype)
     assert set(pg) == set(PARAMS)
-    assert set(ig) == {"hidden_states", "q_latent", "teacher_query", "teacher_kv"}
+    # Every float input given has a gradient, and it is 0: the joint teacher's inputs too,
+    # whether the config reads them (joint, window) or ignores them (compressed).
+    assert set(ig) == {"hidden_states", "q_latent", "teacher_query", "teacher_kv",
+                       "teacher_window_kv", "attention_sink"}
     for name, g in ig.items():
         assert g.shape == tuple(inputs[name].shape)
         assert torch.count_nonzero(g) == 0, name
@@ -303,8 +375,9 @@ def test_gradient_reaches_params_only(sparse, dtype):
 # --------------------------------------------------------------------------- symmetries and edges
 
 
-def test_head_permutation_invariance_float64():
-    cfg = cfg_of()
+@pytest.mark.parametrize("window", [0, 5])
+def test_head_permutation_invariance_float64(window):
+    cfg = cfg_of(sliding_window=window)
     params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
     HI, DI, H = cfg.index_n_heads, cfg.index_head_dim, cfg.num_query_heads
     rng = np.random.default_rng(7)
@@ -314,13 +387,19 @@ def test_head_permutation_invariance_float64():
     pp["indexer.weights_proj"] = params["indexer.weights_proj"][:, perm_i]
     pi = dict(inputs)
     pi["teacher_query"] = inputs["teacher_query"][:, :, perm_t]
+    pi["attention_sink"] = inputs["attention_sink"][perm_t]  # a head's sink moves with it
     a, b = indexer_forward(params, inputs, cfg, "float64"), indexer_forward(pp, pi, cfg, "float64")
     assert torch.equal(torch.isinf(a["index_scores"]), torch.isinf(b["index_scores"]))
     torch.testing.assert_close(a["index_scores"], b["index_scores"], rtol=1e-12, atol=1e-12)
     for sparse in (False, True):
-        c = dataclasses.replace(cfg, sparse_loss=sparse)
-        la, lb = indexer_loss(params, inputs, c, "float64"), indexer_loss(pp, pi, c, "float64")
-        assert abs(float(la) - float(lb)) <= 1e-12 * abs(float(la)), sparse
+        for teacher in ("joint", "compressed"):
+            c = dataclasses.replace(cfg, sparse_loss=sparse, teacher_normaliser=teacher)
+            la, lb = indexer_loss(params, inputs, c, "float64"), indexer_loss(pp, pi, c, "float64")
+            assert abs(float(la) - float(lb)) <= 1e-12 * abs(float(la)), (sparse, teacher)
+    # The sink is per head: left unpermuted, it pairs heads with other heads' sinks.
+    stale = dict(pi, attention_sink=inputs["attention_sink"])
+    la, lb = indexer_loss(params, inputs, cfg, "float64"), indexer_loss(pp, stale, cfg, "float64")
+    assert abs(float(la) - float(lb)) > 1e-6 * abs(float(la))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -401,14 +480,38 @@ def test_packed_documents_never_see_each_other():
     assert torch.isinf(scores[:8, 2:]).all()
     assert (out["topk_indices"][0, 8:] != 0).all() and (out["topk_indices"][0, 8:] != 1).all()
     for lo in (0, 8):  # each document alone gives the same keys and scores
-        alone = {k: v[:, lo:lo + 8] for k, v in packed.items() if k != "teacher_kv"}
+        alone = {k: v[:, lo:lo + 8] for k, v in packed.items()
+                 if k not in ("teacher_kv", "attention_sink")}
         alone["teacher_kv"] = packed["teacher_kv"][:, lo // 4:lo // 4 + 2]
+        alone["attention_sink"] = packed["attention_sink"]  # [H]: per head, not per token
         ref = indexer_forward(params, alone, cfg, "float64")
         bl = slice(lo // 4, lo // 4 + 2)
         torch.testing.assert_close(out["compressed_keys"][:, bl], ref["compressed_keys"],
                                    rtol=1e-13, atol=1e-13)
         torch.testing.assert_close(out["index_scores"][:, lo:lo + 8, bl], ref["index_scores"],
                                    rtol=1e-13, atol=1e-13)
+
+
+def test_packed_documents_never_share_the_teacher_window():
+    """A window wider than a document stops at its start: the packed loss is the mean of the
+    two documents' losses alone (each has 5 valid rows: s = 3..7 of its own positions)."""
+    cfg = cfg_of(TINY, sliding_window=6)
+    params = make_params(cfg)
+    packed = make_inputs(cfg, 1, 16, docs=[8, 8])
+    alone_losses = []
+    for lo in (0, 8):
+        alone = {k: v[:, lo:lo + 8] for k, v in packed.items()
+                 if k not in ("teacher_kv", "attention_sink")}
+        alone["teacher_kv"] = packed["teacher_kv"][:, lo // 4:lo // 4 + 2]
+        alone["attention_sink"] = packed["attention_sink"]
+        alone_losses.append(float(indexer_loss(params, alone, cfg, "float64")))
+    want = sum(alone_losses) / 2
+    got = float(indexer_loss(params, packed, cfg, "float64"))
+    assert abs(got - want) <= 1e-13 * abs(want)
+    # Not vacuous: the window moves the loss, and so would doc 1's window keys seen by doc 2.
+    no_window = float(indexer_loss(params, packed, dataclasses.replace(cfg, sliding_window=0),
+                                   "float64"))
+    assert abs(no_window - want) > 1e-6 * abs(want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

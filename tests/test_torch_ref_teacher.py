@@ -29,11 +29,16 @@ from torch_ref import (  # noqa: E402
 )
 from torch_ref import reference  # noqa: E402
 
-from error_catalogue import SMALL, TINY, make_inputs, make_params  # noqa: E402
+from error_catalogue import (  # noqa: E402
+    SMALL,
+    TEACHER_INPUT_ERRORS,
+    TINY,
+    V4_YARN,
+    make_inputs,
+    make_params,
+)
 
 EPS = 1e-8
-V4_YARN = {"type": "yarn", "factor": 16, "original_max_position": 65536,
-           "beta_fast": 32, "beta_slow": 1}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -417,85 +422,8 @@ def test_rope_scaling_none_is_plain_rope_bit_for_bit(dtype):
 # --------------------------------------------------------------------------- config
 
 
-def _rs(**over):
-    return {**V4_YARN, **over}
-
-
-CONFIG_ERRORS = [
-    (dict(sliding_window=-1), "sliding_window=-1 must be an int >= 0 (0: no window)"),
-    (dict(sliding_window=4.0), "sliding_window=4.0 must be an int >= 0 (0: no window)"),
-    (dict(sliding_window=True), "sliding_window=True must be an int >= 0 (0: no window)"),
-    (dict(sliding_window=None), "sliding_window=None must be an int >= 0 (0: no window)"),
-    (dict(teacher_normaliser="softmax"),
-     "teacher_normaliser='softmax' is not supported (valid: joint, compressed)"),
-    (dict(teacher_normaliser=None),
-     "teacher_normaliser=None is not supported (valid: joint, compressed)"),
-    (dict(teacher_normaliser="Joint"),
-     "teacher_normaliser='Joint' is not supported (valid: joint, compressed)"),
-    (dict(rope_scaling="yarn"), "rope_scaling='yarn' must be null or a dict with type 'yarn'"),
-    (dict(rope_scaling=[("type", "yarn")]),
-     "rope_scaling=[('type', 'yarn')] must be null or a dict with type 'yarn'"),
-    (dict(rope_scaling=16), "rope_scaling=16 must be null or a dict with type 'yarn'"),
-    (dict(rope_scaling=_rs(scale=2, mscale=1)),
-     "rope_scaling has unknown key 'scale' (valid: type, factor, original_max_position, "
-     "beta_fast, beta_slow)"),
-    (dict(rope_scaling={"type": "yarn", "mscale": 1}),  # unknown before missing
-     "rope_scaling has unknown key 'mscale' (valid: type, factor, original_max_position, "
-     "beta_fast, beta_slow)"),
-    (dict(rope_scaling={}), "rope_scaling is missing key 'type'"),
-    (dict(rope_scaling={"beta_slow": 1, "factor": 2}), "rope_scaling is missing key 'type'"),
-    (dict(rope_scaling={"type": "yarn", "factor": 2, "beta_fast": 32}),
-     "rope_scaling is missing key 'original_max_position'"),
-    (dict(rope_scaling={k: v for k, v in V4_YARN.items() if k != "beta_slow"}),
-     "rope_scaling is missing key 'beta_slow'"),
-    (dict(rope_scaling=_rs(type="linear")), "rope_scaling type='linear' is not supported (valid: yarn)"),
-    (dict(rope_scaling=_rs(type=None, factor=0)),  # type before factor
-     "rope_scaling type=None is not supported (valid: yarn)"),
-    (dict(rope_scaling=_rs(factor=0.5)), "rope_scaling factor=0.5 must be a finite number >= 1"),
-    (dict(rope_scaling=_rs(factor=math.inf)), "rope_scaling factor=inf must be a finite number >= 1"),
-    (dict(rope_scaling=_rs(factor=math.nan)), "rope_scaling factor=nan must be a finite number >= 1"),
-    (dict(rope_scaling=_rs(factor=True)), "rope_scaling factor=True must be a finite number >= 1"),
-    (dict(rope_scaling=_rs(factor="16")), "rope_scaling factor='16' must be a finite number >= 1"),
-    (dict(rope_scaling=_rs(factor=0, original_max_position=0)),  # factor before L0
-     "rope_scaling factor=0 must be a finite number >= 1"),
-    (dict(rope_scaling=_rs(original_max_position=0)),
-     "rope_scaling original_max_position=0 must be an int >= 1"),
-    (dict(rope_scaling=_rs(original_max_position=65536.0)),
-     "rope_scaling original_max_position=65536.0 must be an int >= 1"),
-    (dict(rope_scaling=_rs(original_max_position=True)),
-     "rope_scaling original_max_position=True must be an int >= 1"),
-    (dict(rope_scaling=_rs(original_max_position=0, beta_fast=0)),  # L0 before the betas
-     "rope_scaling original_max_position=0 must be an int >= 1"),
-    (dict(rope_scaling=_rs(beta_fast=1, beta_slow=1)),
-     "rope_scaling beta_fast=1, beta_slow=1 must satisfy beta_fast > beta_slow > 0"),
-    (dict(rope_scaling=_rs(beta_fast=1, beta_slow=32)),
-     "rope_scaling beta_fast=1, beta_slow=32 must satisfy beta_fast > beta_slow > 0"),
-    (dict(rope_scaling=_rs(beta_slow=0)),
-     "rope_scaling beta_fast=32, beta_slow=0 must satisfy beta_fast > beta_slow > 0"),
-    (dict(rope_scaling=_rs(beta_slow=-1.0)),
-     "rope_scaling beta_fast=32, beta_slow=-1.0 must satisfy beta_fast > beta_slow > 0"),
-    (dict(rope_scaling=_rs(beta_fast=math.inf)),
-     "rope_scaling beta_fast=inf, beta_slow=1 must satisfy beta_fast > beta_slow > 0"),
-    (dict(rope_scaling=_rs(beta_slow=math.nan)),
-     "rope_scaling beta_fast=32, beta_slow=nan must satisfy beta_fast > beta_slow > 0"),
-    (dict(rope_scaling=_rs(beta_fast="32")),
-     "rope_scaling beta_fast='32', beta_slow=1 must satisfy beta_fast > beta_slow > 0"),
-    (dict(rope_scaling=_rs(beta_slow=False)),
-     "rope_scaling beta_fast=32, beta_slow=False must satisfy beta_fast > beta_slow > 0"),
-    # field order: loss_scale, sliding_window, teacher_normaliser, rope_scaling
-    (dict(loss_scale=math.inf, sliding_window=-1), "loss_scale=inf must be finite"),
-    (dict(sliding_window=-1, teacher_normaliser="x"),
-     "sliding_window=-1 must be an int >= 0 (0: no window)"),
-    (dict(teacher_normaliser="x", rope_scaling="yarn"),
-     "teacher_normaliser='x' is not supported (valid: joint, compressed)"),
-]
-
-
-@pytest.mark.parametrize("over,message", CONFIG_ERRORS, ids=[m for _, m in CONFIG_ERRORS])
-def test_new_config_rule_is_rejected_with_exact_message(over, message):
-    with pytest.raises(ValueError) as e:
-        cfg_of(SMALL, **over)
-    assert str(e.value) == message
+# Every rule of the three new fields and its exact message: error_catalogue.CONFIG_ERRORS,
+# run on this side by tests/test_torch_ref.py and on the jax side by tests/test_bad_inputs.py.
 
 
 def test_new_config_fields_defaults_order_and_round_trip():
@@ -536,80 +464,16 @@ def _run(inputs, cfg):
     return indexer_loss_and_grads(params, inputs, cfg, "float32")
 
 
-def _mut(name, fn):
-    def mutate(inputs):
-        inputs[name] = fn(inputs[name])
-    return mutate
+# The rules of the two new inputs: error_catalogue.TEACHER_INPUT_ERRORS (the jax side runs them
+# in tests/test_bad_inputs.py).
 
 
-def _at(name, index, value):
-    def mutate(inputs):
-        inputs[name] = inputs[name].copy()
-        inputs[name][index] = value
-    return mutate
-
-
-def _del(*names):
-    def mutate(inputs):
-        for n in names:
-            inputs.pop(n)
-    return mutate
-
-
-INPUT_ERRORS = [
-    (dict(), _del("attention_sink"), "missing input 'attention_sink'"),
-    (dict(sliding_window=4), _del("teacher_window_kv"), "missing input 'teacher_window_kv'"),
-    (dict(sliding_window=4), _del("attention_sink", "teacher_window_kv"),
-     "missing input 'teacher_window_kv'"),
-    (dict(sliding_window=4), _del("teacher_kv", "teacher_window_kv"),
-     "missing input 'teacher_kv'"),
-    (dict(sliding_window=4), _del("attention_sink", "segment_ids"),
-     "missing input 'attention_sink'"),
-    (dict(sliding_window=4), _mut("teacher_window_kv", lambda a: a[:, :63]),
-     "inputs['teacher_window_kv'] has shape (2, 63, 32); expected [B, S, head_dim] = [2, 64, 32]"),
-    (dict(sliding_window=4), _mut("teacher_window_kv", lambda a: a[..., None]),
-     "inputs['teacher_window_kv'] has shape (2, 64, 32, 1); "
-     "expected [B, S, head_dim] = [2, 64, 32]"),
-    (dict(), _mut("attention_sink", lambda a: a[:7]),
-     "inputs['attention_sink'] has shape (7,); expected [num_query_heads] = [8]"),
-    (dict(), _mut("attention_sink", lambda a: np.float32(0.0)),
-     "inputs['attention_sink'] has shape (); expected [num_query_heads] = [8]"),
-    (dict(sliding_window=4), _mut("attention_sink", lambda a: a.astype(np.int64)),
-     "inputs['attention_sink'] has dtype int64; expected a floating dtype"),
-    (dict(sliding_window=4), _mut("teacher_window_kv", lambda a: a.astype(np.int32)),
-     "inputs['teacher_window_kv'] has dtype int32; expected a floating dtype"),
-    (dict(sliding_window=4), _at("teacher_window_kv", (1, 5, 3), np.nan),
-     "inputs['teacher_window_kv'] contains NaN/Inf at index (1, 5, 3)"),
-    (dict(sliding_window=4), _at("teacher_window_kv", (0, 0, 0), -np.inf),
-     "inputs['teacher_window_kv'] contains NaN/Inf at index (0, 0, 0)"),
-    (dict(), _at("attention_sink", 3, np.nan),
-     "inputs['attention_sink'] contains NaN or +Inf at index (3,) (-inf is allowed: no sink)"),
-    (dict(), _at("attention_sink", 3, np.inf),
-     "inputs['attention_sink'] contains NaN or +Inf at index (3,) (-inf is allowed: no sink)"),
-    # phases and order
-    (dict(sliding_window=4),
-     lambda i: (_mut("teacher_kv", lambda a: a[:, :3])(i), _at("teacher_window_kv", 0, np.nan)(i)),
-     "inputs['teacher_kv'] has shape (2, 3, 32); expected [B, W, head_dim] = [2, 16, 32]"),
-    (dict(sliding_window=4),
-     lambda i: (_mut("attention_sink", lambda a: a[:2])(i), _mut("teacher_window_kv", lambda a: a[:1])(i)),
-     "inputs['teacher_window_kv'] has shape (1, 64, 32); expected [B, S, head_dim] = [2, 64, 32]"),
-    (dict(sliding_window=4),
-     lambda i: (_mut("attention_sink", lambda a: a[:2])(i), _at("teacher_window_kv", 0, np.nan)(i)),
-     "inputs['attention_sink'] has shape (2,); expected [num_query_heads] = [8]"),
-    (dict(sliding_window=4),
-     lambda i: (_at("attention_sink", 0, np.nan)(i), _at("teacher_window_kv", (0, 1, 2), np.nan)(i)),
-     "inputs['teacher_window_kv'] contains NaN/Inf at index (0, 1, 2)"),
-    (dict(),
-     lambda i: (_at("attention_sink", 0, np.nan)(i), _mut("segment_ids", lambda a: a * 1.0)(i)),
-     "inputs['attention_sink'] contains NaN or +Inf at index (0,) (-inf is allowed: no sink)"),
-]
-
-
-@pytest.mark.parametrize("over,mutate,message", INPUT_ERRORS, ids=[m for _, _, m in INPUT_ERRORS])
+@pytest.mark.parametrize("over,mutate,message", TEACHER_INPUT_ERRORS,
+                         ids=[m for _, _, m in TEACHER_INPUT_ERRORS])
 def test_new_input_rule_is_rejected_with_exact_message(over, mutate, message):
     cfg = _joint(**over)
     inputs = joint_inputs(cfg, 2, 64)
-    mutate(inputs)
+    mutate(inputs, {})
     with pytest.raises(ValueError) as e:
         _run(inputs, cfg)
     assert str(e.value) == message
