@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 import jax_impl
-from harness.cases import (CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, Case, full_config,
-                           get_case, make_inputs)
+from harness.cases import (CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, V4_YARN, Case,
+                           full_config, get_case, make_inputs)
 
-REQUIRED = ("tiny", "small", "packed", "ragged", "no_blocks", "topk_wide", "ties", "flash_dims")
+REQUIRED = ("tiny", "small", "packed", "ragged", "no_blocks", "topk_wide", "ties", "flash_dims",
+            "window_only", "sink_only", "window_one", "window_wide", "window_heavy", "teacher_gap",
+            "yarn_tail")
 
 
 def test_required_cases_present():
@@ -32,7 +34,8 @@ def test_config_is_complete_and_validates_on_both_sides(name):
         full = side.CSAConfig.from_dict(cfg).to_dict()  # knobs at their defaults
         assert {k: full[k] for k in cfg} == cfg
         assert {k: full[k] for k in KNOB_FIELDS} == {"indexer_head_chunk": 0, "loss_head_chunk": 0,
-                                                     "query_chunk": 0, "sparse_loss": False}
+                                                     "query_chunk": 0, "sparse_loss": False,
+                                                     "teacher_normaliser": "joint"}
 
 
 def test_case_shapes():
@@ -58,6 +61,38 @@ def test_case_shapes():
     flash = CASES["flash_dims"].config
     assert (flash["index_n_heads"], flash["index_head_dim"], flash["rope_head_dim"],
             flash["compress_ratio"]) == (64, 128, 64, 4)
+
+
+def test_joint_teacher_cases_exercise_what_their_names_say():
+    """SPEC section 8's teacher: each case holds the window, sink and RoPE its name promises."""
+    def sink(name):
+        return make_inputs(CASES[name])[0]["attention_sink"]
+
+    def window(name):
+        return CASES[name].config["sliding_window"]
+
+    assert window("window_only") > 0 and (sink("window_only") == -np.inf).all()
+    assert window("sink_only") == 0 and np.isfinite(sink("sink_only")).all()
+    assert window("window_one") == 1
+    assert window("window_wide") >= CASES["window_wide"].seq_len
+    heavy, plain = make_inputs(CASES["window_heavy"])[0], make_inputs(CASES["window_one"])[0]
+    assert heavy["teacher_window_kv"].std() > 3 * plain["teacher_window_kv"].std()
+    assert sink("window_heavy").mean() > 1
+    assert 1 < window("teacher_gap") < CASES["teacher_gap"].seq_len
+    assert sink("teacher_gap").max() - sink("teacher_gap").min() > 4  # heads far apart
+    # The compressed teacher's goldens where it matters: the gap, and the basic cases.
+    assert {n for n, c in CASES.items() if "compressed" in c.teachers} >= {"teacher_gap", "tiny", "small"}
+    assert all(c.teachers[0] == "joint" for c in CASES.values())
+    yarn = CASES["yarn_tail"]
+    assert dict(yarn.config["rope_scaling"]) == V4_YARN == {
+        "type": "yarn", "factor": 16, "original_max_position": 65536, "beta_fast": 32, "beta_slow": 1}
+    pos = make_inputs(yarn)[0]["position_ids"]
+    assert pos.min() > V4_YARN["original_max_position"] and yarn.config["rope_head_dim"] == 64
+    assert CASES["flash_dims"].config["sliding_window"] == 128  # the released model's window
+    assert dict(CASES["flash_dims"].config["rope_scaling"]) == V4_YARN
+    # packed's window reaches back over its document boundaries
+    packed = CASES["packed"]
+    assert window("packed") > min(min(row) for row in packed.documents)
 
 
 def test_packed_layout():
@@ -114,6 +149,16 @@ def test_bad_entries_are_refused():
     with pytest.raises(ValueError, match="query_chunk=5 is a run-time knob, set per matrix point"):
         full_config(**{**CASES["small"].config, "query_chunk": 5})
     assert full_config(**{**CASES["small"].config, "sparse_loss": False}) == dict(CASES["small"].config)
+    with pytest.raises(ValueError, match="teacher_normaliser='compressed' is a run-time knob"):
+        full_config(**{**CASES["small"].config, "teacher_normaliser": "compressed"})
+    assert full_config(**{**CASES["small"].config, "teacher_normaliser": "joint"}) == dict(CASES["small"].config)
+    with pytest.raises(ValueError, match="teachers=\\('compressed',\\) must hold 'joint'"):
+        Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-", teachers=("compressed",))
+    with pytest.raises(ValueError, match="must hold 'joint' and only joint, compressed"):
+        Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-", teachers=("joint", "dense"))
+    with pytest.raises(ValueError, match="position_offset needs one document per row"):
+        Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-",
+             documents=((4, 4),), position_offset=10)
     with pytest.raises(ValueError, match="documents must give 1 rows"):
         Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-",
              documents=((3, 3),))

@@ -185,8 +185,13 @@ def test_the_committed_cases_alone_leave_fields_at_one_value_class():
     """Why the pinned problems exist, and proof the audit can fail: on the catalogue and the
     matrix alone, these fields take a single value class, and the audit reports what is missing."""
     single = {f for f in SPEC_FIELDS if f in config_fields() and len(seen_classes(f, committed_instances())) <= 1}
-    assert single == {"emb_dim", "q_lora_rank", "index_head_dim", "rope_theta", "norm_eps", "head_dim",
-                      "loss_scale"}
+    # index_head_dim and head_dim take two classes here: yarn_tail has DI == DR, the joint
+    # teacher's cases have D != DI.
+    assert single == {"emb_dim", "q_lora_rank", "rope_theta", "norm_eps", "loss_scale"}
+    # The joint teacher's cases give every window class and both teachers and RoPEs.
+    assert set(seen_classes("sliding_window", committed_instances())) == AUDIT["sliding_window"][0]
+    assert set(seen_classes("teacher_normaliser", committed_instances())) == {"joint", "compressed"}
+    assert set(seen_classes("rope_scaling", committed_instances())) == {"null", "yarn"}
     seen = seen_classes("compress_ratio", committed_instances())
     assert set(seen) == {"4", "S not a multiple of m", "S < m (W = 0)"}  # no m = 1, no m != 4
     assert set(seen_classes("index_topk", committed_instances())) == {"between 1 and W", ">= W"}  # no k = 1
