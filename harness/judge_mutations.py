@@ -195,8 +195,8 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     HarnessMutant(
         "order_errors_of_another_dtype", "reference", "collect.py",
-        "order_errors=order_errors(p.case, p.dtype),",
-        'order_errors=order_errors(p.case, "bfloat16"),',
+        "order_errors=order_errors(p.case, p.dtype, p.teacher),",
+        'order_errors=order_errors(p.case, "bfloat16", p.teacher),',
         _rules("test_collect_hands_the_entrys_dtype_order_errors"), "order-error baseline",
         "the stored order errors of bfloat16 handed to every dtype's oracle check",
     ),

@@ -756,7 +756,7 @@ def _fake_collect(monkeypatch, values_at):
 
     monkeypatch.setattr(collect_module, "outputs", outputs)
     monkeypatch.setattr(collect_module, "order_errors",
-                        lambda case, dtype: {"loss.dense": {"float32": 4e-3, "bfloat16": 0.3}[dtype]})
+                        lambda case, dtype, teacher="joint": {"loss.dense": {"float32": 4e-3, "bfloat16": 0.3}[dtype]})
     monkeypatch.setattr(collect_module.platforms, "current_backend", lambda: "cpu")
     return calls
 
