@@ -188,6 +188,11 @@ def test_manifest_and_metadata(fixtures):
         assert not set(KNOB_FIELDS) & set(json.loads(md["config"]))
         assert json.loads(md["config"]) == CASES[name].config_dict()
         assert md["seed"] == str(CASES[name].seed)
+        # the joint teacher's layout knobs and the teachers whose goldens the file holds
+        assert json.loads(md["teachers"]) == list(CASES[name].teachers)
+        assert json.loads(md["sink"]) == (None if CASES[name].sink is None else list(CASES[name].sink))
+        assert json.loads(md["window_scale"]) == CASES[name].window_scale
+        assert md["position_offset"] == str(CASES[name].position_offset)
         assert {"torch_version", "numpy_version", "csa_parity_version"} <= set(md)
         total += len(data)
     assert total < 30 * 2**20
@@ -399,11 +404,13 @@ def test_golden_invariants(fixtures, name):
             rest[real] = False
             if len(real) and rest.any():
                 assert scores[idx][real].min() >= scores[idx][rest].max(), (dt, idx)
-        # Where no token has a valid block: loss exactly 0, gradients exactly 0, no NaN.
+        # Where no token has a valid block: loss exactly 0, gradients exactly 0, no NaN
+        # (for every teacher whose goldens the case holds).
         if not valid.any():
-            for q, arr in g.items():
-                if q.startswith(("loss.", "grad.")):
-                    assert np.all(arr == 0), (dt, q)
+            for t in case.teachers:
+                for q, arr in fx.goldens_of(dt, t).items():
+                    if q.startswith(("loss.", "grad.")):
+                        assert np.all(arr == 0), (dt, t, q)
 
 
 def test_all_invalid_cases_exist(fixtures):
@@ -446,18 +453,44 @@ def test_ties_sit_on_the_topk_boundary_in_every_dtype(fixtures):
 
 def test_sparse_at_oracle_uses_the_oracle_selection(fixtures):
     """Where a dtype's own top-k equals the oracle's, its sparse goldens equal the
-    selection-conditioned ones exactly (same computation, same mask)."""
+    selection-conditioned ones exactly (same computation, same mask), for every teacher."""
     for fx in fixtures.values():
         oracle = fx.goldens["float64"]["topk_indices"]
         for dt in LOW_DTYPES:
-            g = fx.goldens[dt]
-            same = all(set(g["topk_indices"][i].tolist()) == set(oracle[i].tolist())
+            same = all(set(fx.goldens[dt]["topk_indices"][i].tolist()) == set(oracle[i].tolist())
                        for i in np.ndindex(*oracle.shape[:-1]))
             if same:
-                assert g["loss.sparse"] == g["loss.sparse_at_oracle"], (fx.name, dt)
-                for p in fx.params:
-                    assert np.array_equal(g[f"grad.sparse.{p}"],
-                                          g[f"grad.sparse_at_oracle.{p}"]), (fx.name, dt, p)
+                for t in fx.case.teachers:
+                    g = fx.goldens_of(dt, t)
+                    assert g["loss.sparse"] == g["loss.sparse_at_oracle"], (fx.name, dt, t)
+                    for p in fx.params:
+                        assert np.array_equal(g[f"grad.sparse.{p}"],
+                                              g[f"grad.sparse_at_oracle.{p}"]), (fx.name, dt, t, p)
+
+
+def test_teacher_goldens_are_stored_per_teacher(fixtures):
+    """A case listing the compressed teacher holds its loss and gradients (and order errors)
+    apart from the joint one's; they differ, widely on teacher_gap; the forward goldens are
+    shared. A case that does not list it holds none."""
+    for fx in fixtures.values():
+        for dt in GOLDEN_DTYPES:
+            joint = fx.goldens_of(dt, "joint")
+            assert not any(q.startswith("compressed.") for q in joint)
+            if "compressed" not in fx.case.teachers:
+                assert fx.goldens_of(dt, "compressed") == {}
+                assert not any(q.startswith("compressed.") for q in fx.goldens[dt])
+                continue
+            comp = fx.goldens_of(dt, "compressed")
+            assert set(comp) == set(joint), (fx.name, dt, set(comp) ^ set(joint))
+            for q in ("compressed_keys", "index_scores", "topk_indices"):
+                assert comp[q] is joint[q]
+            assert fx.case.num_blocks == 0 or comp["loss.dense"] != joint["loss.dense"], (fx.name, dt)
+    with pytest.raises(ValueError, match="teacher='softmax' is not supported"):
+        fixtures["tiny"].goldens_of("float64", "softmax")
+    gap = fixtures["teacher_gap"].goldens["float64"]
+    for mode in ("dense", "sparse"):
+        j, c = float(gap[f"loss.{mode}"]), float(gap[f"compressed.loss.{mode}"])
+        assert abs(j - c) > 0.15 * abs(j), (mode, j, c)
 
 
 # --------------------------------------------------------------------------- permutations
@@ -471,7 +504,7 @@ def _relerr(a, b):
     return float(np.abs(a[fin] - b[fin]).max(initial=0.0) / scale)
 
 
-@pytest.mark.parametrize("name", ["small", "packed", "flash_dims"])
+@pytest.mark.parametrize("name", ["small", "packed", "flash_dims", "teacher_gap"])
 def test_float64_reference_is_invariant_under_head_permutations(fixtures, name):
     import torch_ref
 
@@ -488,14 +521,18 @@ def test_float64_reference_is_invariant_under_head_permutations(fixtures, name):
     heads["indexer.weights_proj"] = fx.params["indexer.weights_proj"][:, perm_i]
     teacher = dict(fx.inputs)
     teacher["teacher_query"] = fx.inputs["teacher_query"][:, :, perm_t]
+    teacher["attention_sink"] = fx.inputs["attention_sink"][perm_t]  # each head keeps its sink
     for params, inputs in ((heads, fx.inputs), (fx.params, teacher)):
         dense = torch_ref.CSAConfig.from_dict(c)
-        sparse = torch_ref.CSAConfig.from_dict({**c, "sparse_loss": True})
         scores = torch_ref.indexer_forward(params, inputs, dense, "float64")["index_scores"]
         assert _relerr(scores.numpy(), g["index_scores"]) <= 1e-12
-        for cfg, key in ((dense, "loss.dense"), (sparse, "loss.sparse")):
-            loss = torch_ref.indexer_loss(params, inputs, cfg, "float64")
-            assert abs(float(loss) - float(g[key])) <= 1e-12 * abs(float(g[key])), key
+        for t in fx.case.teachers:  # every teacher whose goldens the fixture holds
+            prefix = "" if t == "joint" else f"{t}."
+            for sparse, mode in ((False, "dense"), (True, "sparse")):
+                cfg = torch_ref.CSAConfig.from_dict({**c, "sparse_loss": sparse, "teacher_normaliser": t})
+                key = f"{prefix}loss.{mode}"
+                loss = torch_ref.indexer_loss(params, inputs, cfg, "float64")
+                assert abs(float(loss) - float(g[key])) <= 1e-12 * abs(float(g[key])), key
 
 
 # --------------------------------------------------------------------------- order errors (issue 14)
@@ -509,13 +546,15 @@ def test_order_errors_bound_the_stored_goldens_own_error(fixtures):
 
     above = 0
     for fx in fixtures.values():
-        for dt in LOW_DTYPES:
-            for q in ORDERR_QUANTITIES:
-                orderr = float(fx.goldens[dt][f"orderr.{q}"])
-                oracle = fx.goldens["float64"][q.replace("sparse_at_oracle", "sparse", 1)]
-                own, _, _ = normalised_error(fx.goldens[dt][q], oracle, "row" if q == "index_scores" else "tensor")
-                assert own <= orderr * (1 + 1e-12) and np.isfinite(orderr), (fx.name, dt, q, own, orderr)
-                above += orderr > own * 1.01
+        for t in fx.case.teachers:  # each teacher's goldens against its own oracle
+            for dt in LOW_DTYPES:
+                g, g64 = fx.goldens_of(dt, t), fx.goldens_of("float64", t)
+                for q in ORDERR_QUANTITIES:
+                    orderr = float(g[f"orderr.{q}"])
+                    oracle = g64[q.replace("sparse_at_oracle", "sparse", 1)]
+                    own, _, _ = normalised_error(g[q], oracle, "row" if q == "index_scores" else "tensor")
+                    assert own <= orderr * (1 + 1e-12) and np.isfinite(orderr), (fx.name, t, dt, q, own, orderr)
+                    above += orderr > own * 1.01
     assert above > 0  # some permuted order rounds worse than the stored one: the point of K > 1
 
 
