@@ -88,6 +88,9 @@ def _tiny_problem(seed):
         "teacher_query": rng.standard_normal((b, s, h, d)) * d**-0.5 * 2,
         "teacher_kv": rng.standard_normal((b, s // m, d)),
     }
+    # The joint teacher's inputs, drawn last (the draws above, and so the margins, do not move).
+    inputs["teacher_window_kv"] = rng.standard_normal((b, s, d))
+    inputs["attention_sink"] = rng.standard_normal(h)
     return {k: jnp.asarray(v) for k, v in params.items()}, inputs
 
 
@@ -103,9 +106,12 @@ def _loss_logit_margin(params, inputs, cfg):
     return float(jnp.min(jnp.where(valid[..., None], jnp.abs(logits), jnp.inf)))
 
 
-@pytest.mark.parametrize("chunk", [0, 1, 2])
-def test_check_grads_on_the_loss_with_respect_to_the_six_parameters(chunk):
-    cfg = jax_impl.CSAConfig(**TINY, indexer_head_chunk=chunk, loss_head_chunk=min(chunk, 2))
+@pytest.mark.parametrize("chunk,teacher", [(0, "joint"), (1, "joint"), (2, "joint"), (0, "compressed")])
+def test_check_grads_on_the_loss_with_respect_to_the_six_parameters(chunk, teacher):
+    """The joint teacher with a window of 3 tokens and a sink (the default teacher), and the
+    compressed one; the teacher holds no parameter, but it weighs every term of the loss."""
+    cfg = jax_impl.CSAConfig(**TINY, indexer_head_chunk=chunk, loss_head_chunk=min(chunk, 2),
+                             sliding_window=3, teacher_normaliser=teacher)
     params, inputs = _tiny_problem(1)
     margin = _loss_logit_margin(params, inputs, cfg)
     assert margin >= MARGIN, f"a logit sits {margin:.2e} from the ReLU kink: pick another point"

@@ -121,7 +121,7 @@ def test_shard_map_over_the_batch(problem):
     def local(p, x):
         return jax.lax.pmean(jax_impl.indexer_loss(p, x, CFG, "float32"), "data")
 
-    specs = {k: P("data") for k in inputs}
+    specs = {k: P() if k == "attention_sink" else P("data") for k in inputs}  # the sink is per head: replicated
     sharded = _shard_map()(local, mesh=mesh, in_specs=(P(), specs), out_specs=P())
     got = jax.jit(sharded)(params, inputs)
     close(got, _loss(params, inputs))
@@ -190,6 +190,11 @@ def test_layer_validate_checks_values_on_the_host(problem):
     bad["teacher_kv"][1, 2, 3] = np.nan
     with pytest.raises(ValueError, match=r"^inputs\['teacher_kv'\] contains NaN/Inf at index \(1, 2, 3\)$"):
         module.validate(bad)
+    no_sink = dict(inputs, attention_sink=np.full_like(inputs["attention_sink"], -np.inf))
+    module.validate(no_sink)  # -inf: a head without a sink
+    no_sink["attention_sink"][5] = np.inf
+    with pytest.raises(ValueError, match=r"^inputs\['attention_sink'\] contains NaN or \+Inf at index \(5,\)"):
+        module.validate(no_sink)
     with pytest.raises(ValueError, match=r"^dtype='int8' is not supported"):
         jax_impl.CSAIndexer(CFG, dtype="int8", rngs=nnx.Rngs(0))
 
