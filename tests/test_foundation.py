@@ -25,6 +25,7 @@ from harness.tolerance import EXACT64, chunk_bound
 from problems import SMALL, random_problem
 
 PARAMS = jax_impl.PARAM_NAMES
+FLOAT_INPUTS = {"hidden_states", "q_latent", "teacher_query", "teacher_kv", "teacher_window_kv", "attention_sink"}
 
 # float32 JAX vs float32 torch, normalised error (see harness.compare).
 # Measured on random small problems, seeds 0-2 (worst over quantities):
@@ -86,6 +87,23 @@ def test_jax_matches_torch_on_random_inputs(dtype, bound):
     _assert_agree(j, t, bound, f"jax-vs-torch-{dtype}")
 
 
+@pytest.mark.parametrize("over", [
+    dict(teacher_normaliser="compressed"),
+    dict(sliding_window=0),  # the sink alone joins the blocks
+    dict(sliding_window=100, rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position": 4096,
+                                           "beta_fast": 32.0, "beta_slow": 1.0}),  # ramp over pairs 2..5 of 8
+], ids=["compressed", "sink-only", "wide-window-yarn"])
+def test_jax_matches_torch_on_the_other_teachers_and_yarn_float64(over):
+    """SMALL is the joint teacher with an 8-token window; here the compressed teacher, no window,
+    and a window wider than S with YaRN, on packed rows (the window stops at each document)."""
+    jcfg, tcfg = _cfgs(over)
+    params, inputs = _problem(2, 64, 6, ((21, 43), (30, 34)))
+    j = _run(jax_impl, params, inputs, jcfg, "float64")
+    t = _run(torch_ref, params, inputs, tcfg, "float64")
+    np.testing.assert_array_equal(np.isneginf(j["index_scores"]), np.isneginf(t["index_scores"]))
+    _assert_agree(j, t, EXACT64, "jax-vs-torch-float64")
+
+
 def _bundle(params, inputs, cfg, dtype):
     """`_run`'s quantities from jax_impl.indexer_parity_bundle (one compiled program, not three)."""
     raw = jax_impl.indexer_parity_bundle(params, inputs, cfg, dtype, np.zeros((2, 64, 4), np.int32))
@@ -121,13 +139,21 @@ def test_gradient_reaches_only_the_six_parameters(side):
     cfg = jcfg if side is jax_impl else tcfg
     params, inputs = _problem(2, 64, 2)
     for sparse in (False, True):
-        c = dataclasses.replace(cfg, sparse_loss=sparse)
-        _, pg, ig = side.indexer_loss_and_grads(params, inputs, c, "float64")
-        assert set(ig) == {"hidden_states", "q_latent", "teacher_query", "teacher_kv"}
-        r = exactly_zero("input_grads", ig)
-        assert r.passed, r.message
-        for name in PARAMS:
-            assert np.abs(to_numpy(pg[name])).max() > 0, f"d loss / d {name} is all zero (sparse={sparse})"
+        for teacher in ("joint", "compressed"):  # SMALL has a window: the joint teacher reads every input
+            c = dataclasses.replace(cfg, sparse_loss=sparse, teacher_normaliser=teacher)
+            _, pg, ig = side.indexer_loss_and_grads(params, inputs, c, "float64")
+            # A gradient for every float input the loss reads (all six under the joint teacher
+            # with a window; the compressed one reads neither new input, and whether a side also
+            # returns a zero for a given but unread input is left to it), none for anything else.
+            reads = {"hidden_states", "q_latent", "teacher_query", "teacher_kv"}
+            if teacher == "joint":
+                reads |= {"teacher_window_kv", "attention_sink"}
+            assert reads <= set(ig) <= FLOAT_INPUTS, (teacher, sorted(ig))
+            r = exactly_zero("input_grads", ig)
+            assert r.passed, r.message
+            for name in PARAMS:
+                assert np.abs(to_numpy(pg[name])).max() > 0, \
+                    f"d loss / d {name} is all zero (sparse={sparse}, teacher={teacher})"
 
 
 EDGES = {
