@@ -12,7 +12,8 @@ from collections import Counter
 import pytest
 
 from harness.cases import CASES
-from harness.matrix import DTYPES, SAMPLES, SWEEP_CASES, build_matrix, chunk_points, combined_pair, query_chunk_sizes
+from harness.matrix import (DTYPES, SAMPLES, SWEEP_CASES, Point, build_matrix, chunk_points, combined_pair,
+                            query_chunk_sizes)
 
 NARROW, WIDE = ("bfloat16", "float16"), ("float32", "float64")
 
@@ -65,9 +66,47 @@ def test_the_two_sweep_cases_run_each_class_in_different_dtypes():
 
 
 def test_ci_is_about_half_the_default_in_compiled_programs():
-    """The point of the sample: .ci/run under 20 minutes (the figures in the module doc)."""
-    assert len(_points("ci")) == 66 and len(_points("default")) == 137
-    assert len(build_matrix(sample="ci")) == 1188 and len(build_matrix()) == 2447
+    """The point of the sample: .ci/run under 20 minutes. The joint teacher: ci 16 cases x 4
+    dtypes native + the combined point in 2 dtypes per case + 6 knob classes on each of the 2
+    sweep cases = 64 + 32 + 12 = 108; default 193 (137 on the first 9 cases, + 7 x 4 x 2 on
+    the joint teacher's 7). The compressed teacher on its 4 cases (tiny, small, packed,
+    teacher_gap): ci native in 2 dtypes + combined in 1 = 12; default native in 4 + combined
+    in 3 = 28. Entries: 19 per joint point without teacher chunk (3 forward + 2 modes x 8),
+    16 with one or with the compressed teacher."""
+    ci, default = _points("ci"), _points("default")
+    assert len(ci) == 120 and len(default) == 221
+    assert Counter(p.teacher for p in ci) == {"joint": 108, "compressed": 12}
+    assert Counter(p.teacher for p in default) == {"joint": 193, "compressed": 28}
+    assert len(build_matrix(sample="ci")) == 2136 and len(build_matrix()) == 3875
+    assert len(ci) / len(default) < 0.6
+
+
+@pytest.mark.parametrize("sample", ["ci", "default"])
+def test_the_compressed_teacher_runs_where_its_goldens_are(sample):
+    """Only on the cases that hold its goldens, natively and at the combined point, in a narrow
+    and a wide dtype at least, never with forward entries (they do not depend on the teacher)."""
+    entries = [e for e in build_matrix(sample=sample) if e.point.teacher == "compressed"]
+    holders = {c for c, case in CASES.items() if "compressed" in case.teachers}
+    assert {e.point.case for e in entries} == holders and len(holders) >= 3
+    assert not [e for e in entries if e.mode == "forward"]
+    for case in holders:
+        native = {e.point.dtype for e in entries if e.point.case == case and not e.point.chunked}
+        combined = {e.point.dtype for e in entries if e.point.case == case
+                    and (e.point.ichunk, e.point.tchunk, e.point.qchunk)
+                    == (*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1])}
+        assert native & set(NARROW) and native & set(WIDE) and combined, (case, native, combined)
+
+
+def test_points_name_their_teacher_and_parse_back():
+    joint = [e.point for e in build_matrix(sample="ci", cases=["tiny"])]
+    comp = [p for p in joint if p.teacher == "compressed"]
+    assert comp and all(Point.parse(p.spec()) == p for p in joint)
+    assert all("teacher=compressed" in p.label and p.spec().endswith(":compressed") for p in comp)
+    assert all("teacher" not in p.label for p in joint if p.teacher == "joint")
+    only_joint = build_matrix(sample="ci", teachers=["joint"])
+    assert {e.point.teacher for e in only_joint} == {"joint"}
+    with pytest.raises(ValueError, match=r"teacher='softmax' is not supported \(valid: joint, compressed\)"):
+        build_matrix(teachers=["softmax"])
 
 
 def test_an_unknown_sample_is_one_clear_error():
