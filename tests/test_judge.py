@@ -3,6 +3,7 @@ template per kind of check, partial plug-ins, and the reports counting every sta
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -50,6 +51,31 @@ def test_the_reference_judged_against_itself_passes(tiny, dtype):
     for entry in entries_at(Point("tiny", dtype)):
         results = judge(entry, cand, refs, Policy())
         assert results and all(r.status in (PASSED, EXCUSED) for r in results), [r.message for r in results]
+
+
+@pytest.mark.parametrize("name,dtype", [("tiny", "float64"), ("teacher_gap", "float64"),
+                                        ("teacher_gap", "bfloat16")])
+def test_each_teacher_passes_against_itself_and_fails_against_the_other(name, dtype):
+    """Each teacher's goldens judged at its own point pass; the other teacher's, judged there,
+    fail: every loss and gradient in float64 (the teachers differ by 1% on tiny, more on
+    teacher_gap), and the losses in bfloat16 on teacher_gap, the case built for that gap
+    (bfloat16's bound is wide enough to let 2 of its 12 gradients through)."""
+    fx = load_case(name)
+    joint, comp = Point(name, dtype), Point(name, dtype, teacher="compressed")
+    refs = {p: References(Goldens().run(fx, dataclasses.replace(p, dtype="float64")), Goldens().run(fx, p))
+            for p in (joint, comp)}
+    zeros = {f"input_grad.{m}.q_latent": np.zeros(fx.inputs["q_latent"].shape) for m in ("dense", "sparse")}
+    for p, other in ((joint, comp), (comp, joint)):
+        own = _with(refs[p].at_dtype, **zeros)
+        assert own["loss.dense"] != refs[other].at_dtype["loss.dense"]
+        wrong = _with(refs[other].at_dtype, **zeros)
+        for entry in entries_at(p, modes=["dense", "sparse"]):
+            results = judge(entry, own, refs[p], Policy())
+            assert results and all(r.status in (PASSED, EXCUSED) for r in results), [r.message for r in results]
+            if entry.quantity == "input_grads" or (dtype != "float64" and entry.quantity != "loss"):
+                continue
+            results = judge(entry, wrong, refs[p], Policy())
+            assert any(r.status == FAILED for r in results), (entry.id, [r.message for r in results])
 
 
 def test_a_wrong_gradient_fails_with_the_close_template(tiny):
@@ -119,6 +145,20 @@ def test_not_applicable_and_every_status_is_counted(tiny):
     assert list(counts) == list(STATUSES)
     assert counts[NOT_APPLICABLE] == 1 and counts[NOT_PROVIDED] >= 1 and counts[PASSED] > 0
     assert summarise(records)["failed"] == counts[FAILED] == 0
+
+
+def test_the_report_keeps_the_compressed_teacher_in_rows_of_its_own(tiny):
+    from harness.report import table
+
+    records = []
+    for teacher in ("joint", "compressed"):
+        p = Point("tiny", "float32", teacher=teacher)
+        refs = References(Goldens().run(tiny, dataclasses.replace(p, dtype="float64")), Goldens().run(tiny, p))
+        for e in entries_at(p, modes=["dense"]):
+            records += [record(e, r) for r in judge(e, _with(refs.at_dtype), refs)]
+    assert {r["teacher"] for r in records} == {"joint", "compressed"}
+    _, rows = table(records)
+    assert sorted(row[:2] for row in rows) == [["tiny", "float32"], ["tiny (compressed)", "float32"]]
 
 
 def test_fixture_check_uses_the_one_tie_rule():
