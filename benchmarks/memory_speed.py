@@ -405,6 +405,61 @@ def query_sweep(seqs, chunks, batch: int = 1, log=None) -> list:
     return rows
 
 
+# The joint teacher's sliding window (DeepSeek-V4: 128 tokens), on the query-chunked training
+# path: the window logits of a block of r rows read r + n_win - 1 rows of teacher_window_kv.
+WINDOW = 128
+WINDOW_SEQS, WINDOW_R = (8192, 32768, 131072), 128
+
+
+def window_sweep(seqs, r: int = WINDOW_R, batch: int = 1, log=None) -> list:
+    """Compile-only memory of the dense and the sparse loss gradient with the joint teacher,
+    without (n_win = 0, the sink alone) and with the DeepSeek-V4 window, head chunk 1, query
+    chunk r."""
+    rows = []
+    for s in seqs:
+        for n_win in (0, WINDOW):
+            row = {"seq": s, "batch": batch, "query_chunk": r, "head_chunk": 1, "sliding_window": n_win}
+            for mode in ("dense", "sparse"):
+                cfg = bench_config(1, 1, query_chunk=r, sparse_loss=mode == "sparse", sliding_window=n_win)
+                row[mode] = compiled_temp_bytes(cfg, batch, s)
+            rows.append(row)
+            if log:
+                log(f"  window S={s} n_win={n_win}: dense {row['dense']['effective'] / GIB:.3f} GiB, "
+                    f"sparse {row['sparse']['effective'] / GIB:.3f} GiB (effective temp)")
+    return rows
+
+
+def evaluate_window_bounds(rows) -> list:
+    """The S = LONG_SEQ bound holds with the window in; anywhere the window adds at most two
+    [B, S, D] float32 arrays (the window keys rounded and widened once for every query block to
+    read: measured, exactly that at S = 8192, nothing at S >= 32768, where XLA reuses a buffer)."""
+    out = []
+    by = {(r["seq"], r["sliding_window"]): r for r in rows}
+    for (seq, n_win), row in sorted(by.items()):
+        if n_win and seq == LONG_SEQ:
+            e = max(row["dense"]["effective"], row["sparse"]["effective"])
+            out.append({"name": f"S={seq}, r={row['query_chunk']}, n_win={n_win}: temp <= {LONG_BOUND_GIB} GiB",
+                        "ok": e <= LONG_BOUND_GIB * GIB,
+                        "detail": f"dense {row['dense']['effective'] / GIB:.3f} GiB, sparse "
+                                  f"{row['sparse']['effective'] / GIB:.3f} GiB"})
+        base = by.get((seq, 0))
+        if n_win and base:
+            extra = max(row[m]["effective"] - base[m]["effective"] for m in ("dense", "sparse"))
+            allowed = 2 * row["batch"] * seq * ISSUE_SHAPES["head_dim"] * 4
+            out.append({"name": f"S={seq}: the {n_win}-token window adds at most two [B, S, D] float32 arrays",
+                        "ok": extra <= allowed,
+                        "detail": f"dense {row['dense']['effective'] / GIB:.3f} vs {base['dense']['effective'] / GIB:.3f} "
+                                  f"GiB without a window: +{extra / MIB:.1f} MiB (allowed {allowed / MIB:.1f} MiB)"})
+    return out
+
+
+def print_window_table(rows, file=sys.stdout):
+    print(f"{'S':>7} {'r':>5} {'n_win':>5} {'dense GiB':>10} {'sparse GiB':>10}", file=file)
+    for r in rows:
+        print(f"{r['seq']:>7} {r['query_chunk']:>5} {r['sliding_window']:>5} {r['dense']['effective'] / GIB:>10.3f} "
+              f"{r['sparse']['effective'] / GIB:>10.3f}", file=file)
+
+
 def best_query_chunk(rows, seq: int):
     """The r > 0 with the least dense effective temp at `seq` (its row), or None."""
     cand = [r for r in rows if r["seq"] == seq and r["query_chunk"] > 0]
@@ -609,6 +664,9 @@ def main(argv=None):
     p.add_argument("--query-only", action="store_true",
                    help="only the query-chunk sweep (issue #13); the head-chunk rows of --out are kept")
     p.add_argument("--no-query", action="store_true", help="skip the query-chunk sweep")
+    p.add_argument("--window-only", action="store_true",
+                   help="only the sliding-window rows: the joint teacher with n_win 0 and 128, S up to 131072, "
+                        "r=128 (compile-only; prints their bounds)")
     p.add_argument("--query-s", default=None, help="query sweep sequence lengths (default 2048,8192,32768,131072)")
     p.add_argument("--query-chunks", default=None, help="query chunks r > 0 (default 128,256,512,1000,1024)")
     p.add_argument("--replot", action="store_true",
@@ -626,6 +684,15 @@ def main(argv=None):
                else ([256, 1000, 1024] if args.quick else list(QUERY_CHUNKS)))
     repeats = args.repeats or (3 if args.quick else 5)
     started = time.time()
+    if args.window_only:
+        wrows = window_sweep(WINDOW_SEQS, log=lambda m: print(m, file=sys.stderr, flush=True))
+        print("joint teacher, sliding window: effective temp of the loss gradient, head chunk 1, float32")
+        print_window_table(wrows)
+        wbounds = evaluate_window_bounds(wrows)
+        for b in wbounds:
+            print(f"  {'PASS' if b['ok'] else 'FAIL'}  {b['name']}: {b['detail']}")
+        print(f"\n{4 * len(WINDOW_SEQS)} programs compiled, {time.time() - started:.0f} s")
+        return 0 if all(b["ok"] for b in wbounds) else 1
     if args.replot:
         with open(args.out) as f:
             saved = json.load(f)
