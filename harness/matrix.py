@@ -27,17 +27,25 @@ hour on 2 cores; the `full` sample restores it for a long run):
   query chunking alone, one dividing S and one not (each at least 2 blocks), in float32,
   bfloat16 and float64 (the dtypes whose rounding differs; float16 runs the combined point).
 
+- Teachers: the joint teacher (SPEC section 8, the default) runs at every point above. The
+  compressed teacher runs on the cases whose fixture holds its goldens (`Case.teachers`:
+  tiny, small, packed, teacher_gap), loss modes only (the forward does not depend on the
+  teacher): the native point in every dtype and the combined chunk point in float32,
+  bfloat16 and float64 (default); the native point in float64 and bfloat16 and the combined
+  point in float32 (ci); the joint teacher's chunk points (full). So both teachers are judged
+  dense, sparse and chunked in every sample, and in goldens mode (the fixture stores both).
+
 Three samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest):
-- `default` (the rules above; `csa-parity run` and `make parity`): 2447 entries, 137
-  compiled programs, about 7 minutes of one process on this project's 2-core machine.
+- `default` (the rules above; `csa-parity run` and `make parity`): 3875 entries, 221
+  compiled programs.
 - `ci` (what `make test` and `make test312` run, so that `.ci/run` stays under 20 minutes):
   every case in every dtype natively (the jax-vs-torch verdict itself); the combined chunk
   point (both head chunks and the non-dividing query chunk) of every case in two dtypes,
-  one narrow and one wide, rotated over the cases so that each dtype holds it on at least 4
-  of the 9 layouts; and on each sweep case every value class of every knob once (indexer
+  one narrow and one wide, rotated over the cases so that each dtype holds it on 8
+  of the 16 cases; and on each sweep case every value class of every knob once (indexer
   chunk 1 and HI, teacher chunk 1 and H, the dividing and the non-dividing query chunk
   alone), the dtypes rotated so that each class runs in a different dtype on the two sweep
-  cases. 66 programs, 1188 entries. What it leaves out (every other divisor, each class in
+  cases. 120 programs, 2136 entries. What it leaves out (every other divisor, each class in
   every dtype) the default sample runs; in every CI run tests/test_grad_checks.py compares the
   scoring's custom VJP with plain autodiff at every head-chunk divisor of a small problem.
 - `full`: the whole chunk cross product (about 1400 programs), for a long run.
