@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .mutations import MutationError, apply_edits
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "harness"
 RULES = "tests/test_judge_rules.py"
@@ -336,10 +338,6 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
 )
 
 
-class MutationError(RuntimeError):
-    """A catalogue entry that no longer matches the source, or a test run that did not report."""
-
-
 def _ignore(directory, names):
     return [n for n in names if n == "__pycache__" or n.endswith(".pyc")]
 
@@ -353,20 +351,9 @@ def patch_copy(mutant: HarnessMutant | None, dst: Path, src: Path | None = None)
     target = dst / PACKAGE
     shutil.copytree(src, target, ignore=_ignore)
     (dst / "fixtures").symlink_to(REPO_ROOT / "fixtures", target_is_directory=True)
-    if mutant is None:
-        return target
-    path = target / mutant.module
-    if not path.is_file():
-        raise MutationError(f"mutant {mutant.name!r}: {PACKAGE}/{mutant.module} does not exist")
-    text = path.read_text()
-    for old, new in mutant.edits:
-        n = text.count(old)
-        if n != 1:
-            raise MutationError(
-                f"mutant {mutant.name!r}: its `old` text occurs {n} times in {PACKAGE}/{mutant.module} "
-                f"(expected exactly once): the catalogue is stale, update harness/judge_mutations.py: {old!r}")
-        text = text.replace(old, new)
-    path.write_text(text)
+    if mutant is not None:
+        apply_edits(target / mutant.module, mutant.name, mutant.edits, f"{PACKAGE}/{mutant.module}",
+                    "harness/judge_mutations.py")
     return target
 
 

@@ -504,21 +504,27 @@ def patch_copy(mutant: Mutant | None, dst: Path, src: Path | None = None) -> Pat
     src = src or REPO_ROOT / PACKAGE
     target = Path(dst) / PACKAGE
     shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    if mutant is None:
-        return target
-    path = target / mutant.module
+    if mutant is not None:
+        apply_edits(target / mutant.module, mutant.name, mutant.edits, f"{PACKAGE}/{mutant.module}",
+                    "harness/mutations.py")
+    return target
+
+
+def apply_edits(path: Path, name: str, edits, shown: str, catalogue: str) -> None:
+    """Apply a mutant's (old, new) text edits to the file at `path` (named `shown` in errors).
+    Each `old` must occur exactly once: a stale catalogue (`catalogue`) fails loudly, it never
+    silently tests nothing."""
     if not path.is_file():
-        raise MutationError(f"mutant {mutant.name!r}: {PACKAGE}/{mutant.module} does not exist")
+        raise MutationError(f"mutant {name!r}: {shown} does not exist")
     text = path.read_text()
-    for old, new in mutant.edits:
+    for old, new in edits:
         n = text.count(old)
         if n != 1:
             raise MutationError(
-                f"mutant {mutant.name!r}: its `old` text occurs {n} times in {PACKAGE}/{mutant.module} "
-                f"(expected exactly once): the catalogue is stale, update harness/mutations.py: {old!r}")
+                f"mutant {name!r}: its `old` text occurs {n} times in {shown} "
+                f"(expected exactly once): the catalogue is stale, update {catalogue}: {old!r}")
         text = text.replace(old, new)
     path.write_text(text)
-    return target
 
 
 # What the fork server imports once, so that each mutant's process starts with them: everything
