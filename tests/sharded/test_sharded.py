@@ -66,6 +66,10 @@ EXTRA = [
     ("packed", "float64", (2, 2), 2, ("dense",)),  # 4 local heads in 2 chunks of 2
 ]
 POINTS = MAIN + EXTRA
+# The compressed teacher (its goldens: small and packed), on the mesh of MAIN at chunk 1, one
+# dtype per layout (the programs are MAIN's but for the teacher: two more compiles, not four).
+COMPRESSED = [("small", "float32", (2, 4), 1, ("dense", "sparse")),
+              ("packed", "float64", (2, 4), 1, ("dense", "sparse"))]
 
 
 def _id(case, dtype, mesh, chunk):
@@ -73,11 +77,16 @@ def _id(case, dtype, mesh, chunk):
 
 
 # One matrix entry per (point, mode, quantity), ids like the matrix's with the mesh in them:
-# `small-float32-ichunk2-tchunk2-mesh2x4-sparse-grad.indexer.wq_b`.
+# `small-float32-ichunk2-tchunk2-mesh2x4-sparse-grad.indexer.wq_b` (and `...-mesh2x4-compressed-...`
+# for the compressed teacher, whose points have no forward entries: they do not depend on it).
 ENTRIES = [
     entry
     for c, d, m, k, modes in POINTS
     for entry in entries_at(HPoint(c, d, k, k, mesh=m), modes=("forward", *modes))
+] + [
+    entry
+    for c, d, m, k, modes in COMPRESSED
+    for entry in entries_at(HPoint(c, d, k, k, mesh=m, teacher="compressed"), modes=modes)
 ]
 
 
@@ -186,15 +195,22 @@ def _scan_lengths(jaxpr):
     return out
 
 
-def test_chunks_walk_the_local_heads():
+@pytest.mark.parametrize("window", [0, 5])
+def test_chunks_walk_the_local_heads(window):
     """On a 2x4 mesh with chunk 1, each device scans its 2 indexer heads and 2 teacher heads:
-    every scan has 2 steps, not the 8 of a scan over the global heads."""
+    every head scan has 2 steps, not the 8 of a scan over the global heads. Without a window
+    those are the only scans; with one (5 tokens here: small's own 8 would read like the 8
+    global heads) the joint teacher may walk its window inside a teacher-head step, but
+    nothing walks 8 steps."""
     fx, mesh = _fixture("small"), _mesh((2, 4))
-    cfg = _cfg("small", 1, "sparse")
+    cfg = dataclasses.replace(_cfg("small", 1, "sparse"), sliding_window=window)
     args = sharded._prepare_sharded(fx.params, fx.inputs, cfg, "float32", mesh, "data", "model")
     traced = sharded._loss_jit.trace(*args, cfg, "float32", mesh, "data", "model")
     lengths = _scan_lengths(traced.jaxpr.jaxpr)
-    assert lengths and set(lengths) == {2}, lengths
+    if window == 0:
+        assert lengths and set(lengths) == {2}, lengths
+    else:
+        assert lengths.count(2) >= 2 and set(lengths) <= {2, window}, lengths
 
 
 # --------------------------------------------------------------------------- errors
@@ -278,7 +294,8 @@ def test_public_loss_and_grads_run_inside_shard_map():
         loss, grads, _ = jax_impl.indexer_loss_and_grads(p, x, cfg, "float64")
         return jax.lax.pmean(loss, "data"), grads
 
-    fn = shard_map(local, mesh=mesh, in_specs=(P(), {k: P("data") for k in fx.inputs}), out_specs=(P(), P()))
+    specs = {k: P() if k == "attention_sink" else P("data") for k in fx.inputs}  # the sink is per head: replicated
+    fn = shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), P()))
     loss, grads = jax.jit(fn)(fx.params, fx.inputs)
     grads = {k: v / 2 for k, v in grads.items()}  # the gradient of the mean over the 2 devices
     want_loss, want_grads, _ = jax_impl.indexer_loss_and_grads(fx.params, fx.inputs, cfg, "float64")
