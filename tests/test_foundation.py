@@ -25,7 +25,6 @@ from harness.tolerance import EXACT64, chunk_bound
 from problems import SMALL, random_problem
 
 PARAMS = jax_impl.PARAM_NAMES
-FLOAT_INPUTS = {"hidden_states", "q_latent", "teacher_query", "teacher_kv", "teacher_window_kv", "attention_sink"}
 
 # float32 JAX vs float32 torch, normalised error (see harness.compare).
 # Measured on random small problems, seeds 0-2 (worst over quantities):
@@ -142,13 +141,13 @@ def test_gradient_reaches_only_the_six_parameters(side):
         for teacher in ("joint", "compressed"):  # SMALL has a window: the joint teacher reads every input
             c = dataclasses.replace(cfg, sparse_loss=sparse, teacher_normaliser=teacher)
             _, pg, ig = side.indexer_loss_and_grads(params, inputs, c, "float64")
-            # A gradient for every float input the loss reads (all six under the joint teacher
-            # with a window; the compressed one reads neither new input, and whether a side also
-            # returns a zero for a given but unread input is left to it), none for anything else.
+            # docs/API.md: a gradient for each float input the loss reads (all six under the
+            # joint teacher with a window; the compressed one reads neither joint input), and
+            # an input it does not read is ignored, so has none.
             reads = {"hidden_states", "q_latent", "teacher_query", "teacher_kv"}
             if teacher == "joint":
                 reads |= {"teacher_window_kv", "attention_sink"}
-            assert reads <= set(ig) <= FLOAT_INPUTS, (teacher, sorted(ig))
+            assert set(ig) == reads, (teacher, sorted(ig))
             r = exactly_zero("input_grads", ig)
             assert r.passed, r.message
             for name in PARAMS:
