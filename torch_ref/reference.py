@@ -23,7 +23,6 @@ from typing import Any, Mapping
 import torch
 
 from .config import (
-    JOINT_INPUTS,
     PARAM_NAMES,
     _as_tensor,
     CSAConfig,
@@ -316,9 +315,8 @@ def _prepare(params, inputs, cfg, dtype_name, *, teacher: bool):
     if teacher:
         leaves["teacher_query"] = _to_wide(inputs["teacher_query"], wide).requires_grad_(True)
         leaves["teacher_kv"] = _to_wide(inputs["teacher_kv"], wide).requires_grad_(True)
-        for name in JOINT_INPUTS:  # present: a leaf (zero gradient) even when the config ignores it
-            if name in inputs:
-                leaves[name] = _to_wide(inputs[name], wide).requires_grad_(True)
+        for name in used_joint_inputs(cfg):  # the joint teacher's inputs the loss reads
+            leaves[name] = _to_wide(inputs[name], wide).requires_grad_(True)
     pos = _to_long(inputs["position_ids"])
     seg = _to_long(inputs["segment_ids"])
     return p, leaves, pos, seg, dtype, wide
