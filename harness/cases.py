@@ -275,7 +275,7 @@ _CATALOGUE = (
          sink=(0.0, 4.0), teachers=("joint", "compressed"),
          exercises="sinks spread over heads (std 4): some heads spend almost nothing on the "
                    "blocks, others almost everything, so the joint and the compressed teacher "
-                   "differ by a wide margin (the compressed teacher fails the joint check here)"),
+                   "differ by a wide margin (the compressed teacher fails the joint loss checks here)"),
     Case("yarn_tail", _teacher(index_head_dim=64, rope_head_dim=64, sliding_window=8, rope_scaling=V4_YARN),
          batch=1, seq_len=32, seed=1016, position_offset=69968,
          exercises="YaRN with DeepSeek-V4's settings (DR=64: ramp from pair 15 to 25) at positions "
