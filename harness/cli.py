@@ -176,8 +176,10 @@ def _stage_entries(entries, impl: str):
     api = load_implementation(impl)
     if not isinstance(api, StageImplementation):
         return entries
-    native = [e for e in entries if not e.point.chunked]
-    points = sorted({e.point for e in native if e.point.teacher == "joint"})  # a stage has no teacher
+    # The joint teacher's native points: a stage has no teacher (the compressed teacher's points
+    # would only add pipeline entries the plug-in does not provide).
+    native = [e for e in entries if not e.point.chunked and e.point.teacher == "joint"]
+    points = sorted({e.point for e in native})
     return native + [Entry(p, STAGE_MODE, q, impl) for p in points for q in stage_quantities(api.stage)]
 
 
