@@ -241,13 +241,15 @@ def run(args) -> int:
     def point_meta(partial: str | None) -> dict:
         slowest = sorted(walls, reverse=True)[:5]
         return {**meta, "wall_s": time.time() - start,
-                "points": {"total": n_points, "run": len(walls), "slowest": [[label, round(w, 2)] for w, label in slowest]},
+                "points": {"total": n_points, "run": len(walls), "wall_sum_s": round(sum(w for w, _ in walls), 2),
+                           "slowest": [[label, round(w, 2)] for w, label in slowest]},
                 "partial": None if partial is None else {"reason": partial, "points_run": len(walls),
                                                          "points_total": n_points}}
 
     # A report that says it is partial from the start, rewritten as points end (at most every
     # CHECKPOINT_S): a CLI killed outright (SIGKILL) leaves one saying how many points ran.
-    write_reports([], point_meta("running, or killed before it ended"), args.out, heatmap_too=False)
+    running = "running, or killed before it ended"
+    write_reports([], point_meta(running), args.out, heatmap_too=False)
     last_checkpoint = [time.monotonic()]
     progress = None
     if not args.no_progress:
@@ -261,7 +263,7 @@ def run(args) -> int:
         if progress is not None:
             progress.update(len(point_entries))
         if time.monotonic() - last_checkpoint[0] > CHECKPOINT_S:
-            write_reports(_sorted(records), point_meta("running, or killed before it ended"), args.out, heatmap_too=False)
+            write_reports(_sorted(records), point_meta(running), args.out, heatmap_too=False)
             last_checkpoint[0] = time.monotonic()
 
     interrupted = None

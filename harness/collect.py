@@ -65,7 +65,8 @@ def collect(entry: Entry, reference: str = "live") -> tuple[Outputs, References]
         order_errors=order_errors(p.case, p.dtype, p.teacher),
         dims=dims(p.case),
     )
-    return _own_error(entry, [candidate, references.native, references.oracle, references.at_dtype]) or candidate, references
+    sides = [candidate, references.native, references.oracle, references.at_dtype]
+    return _own_error(entry, sides) or candidate, references
 
 
 def reads(entry: Entry) -> list[str]:

@@ -157,19 +157,23 @@ class ProtocolImplementation:
         else:
             # One call at a time, each owning its quantities: a loss that raises leaves the forward judged.
             if self._has("indexer_forward"):
-                values.update(_attributed(self.name, "indexer_forward", point, FORWARD_QUANTITIES, errors, lambda: _canonical(
-                    self.api.indexer_forward(problem.params, problem.inputs, dense_cfg, point.dtype), {})) or {})
+                def forward():
+                    return _canonical(self.api.indexer_forward(problem.params, problem.inputs, dense_cfg, point.dtype), {})
+
+                values.update(_attributed(self.name, "indexer_forward", point, FORWARD_QUANTITIES, errors, forward) or {})
             if losses:
                 sparse_cfg = self.config(run_config(problem.config, point, True))
                 todo = [("dense", dense_cfg, None), ("sparse", sparse_cfg, None)]
                 if selection is not None:
                     todo.append(("sparse_at_oracle", sparse_cfg, selection))
                 for variant, cfg, sel in todo:
-                    values.update(_attributed(
-                        self.name, f"indexer_loss_and_grads ({variant})", point,
-                        (f"loss.{variant}", f"grad.{variant}.", f"input_grad.{variant}."), errors,
-                        lambda cfg=cfg, sel=sel, variant=variant: _canonical(None, {variant: self.api.indexer_loss_and_grads(
-                            problem.params, problem.inputs, cfg, point.dtype, selection=sel)})) or {})
+                    def loss(cfg=cfg, sel=sel, variant=variant):
+                        return _canonical(None, {variant: self.api.indexer_loss_and_grads(
+                            problem.params, problem.inputs, cfg, point.dtype, selection=sel)})
+
+                    owns = (f"loss.{variant}", f"grad.{variant}.", f"input_grad.{variant}.")
+                    values.update(_attributed(self.name, f"indexer_loss_and_grads ({variant})", point, owns, errors,
+                                              loss) or {})
         missing = self.missing(point)
         values = {k: v for k, v in values.items() if not any(k.startswith(m) for m in missing)}
         if selection is None:
@@ -553,7 +557,8 @@ def _outputs(spec: str, case: str, point: Point, directory: str | None) -> Outpu
         return _outputs_here(spec, case, point, directory)
     except Exception as exc:  # anything the plug-in raises, or WorkerCrash
         worker.note_failure(exc)
-        line = str(exc) if isinstance(exc, WorkerCrash) else f"plug-in {spec} raised at {point.label}: {_first_line(exc)}"
+        line = (str(exc) if isinstance(exc, WorkerCrash)
+                else f"plug-in {spec} raised at {point.label}: {_first_line(exc)}")
         return Outputs(spec, error=line)
 
 

@@ -19,7 +19,7 @@ from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSE
 #    summary["statuses"] counts each; headroom kinds are harness.outputs.kind_of's.
 # 3 (issue 11): status "error" and summary["errors"]; results carry "first_divergence"; mode
 #    "stage" and quantities stage.<stage> / stage_grad.<stage>.<input> for stage plug-ins.
-# 4: "timeout_s", "points" ({"total", "run", "slowest": [[point, wall_s], ...]}) and "partial"
+# 4: "timeout_s", "points" ({"total", "run", "wall_sum_s", "slowest": [[point, wall_s], ...]}) and "partial"
 #    (null, or {"reason", "points_run", "points_total"}: an interrupted run); summary
 #    "errors_by_point" ({point: {"checks", "quantities", "message"}}) and "errors_by_quantity".
 JSON_SCHEMA_VERSION = 4

@@ -40,10 +40,9 @@ import traceback
 from collections import deque
 
 # The time limit of one point when none is given (`csa-parity run --timeout`, CSA_PARITY_TIMEOUT
-# for pytest). The slowest single point of the default matrix measured on the 2-core CI machine
-# took 13.7 s of wall (flash_dims float64 ichunk=0 tchunk=0 under --jobs 2 beside a loaded
-# machine, torch reference and compilation included); 600 s is over 40x that, so only a hang
-# or a pathological slowdown reaches it (README: "Time limits").
+# for pytest): a large multiple of the slowest single point measured on the 2-core CI machine
+# (README, "Crash isolation and time limits", says which and how), so that only a hang or a
+# pathological slowdown reaches it.
 DEFAULT_TIMEOUT = 600.0
 # How often one point is run again in a fresh worker after a crash or a time-out inside a
 # known call (each time with every poisoned call raising instead of running).
