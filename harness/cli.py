@@ -2,15 +2,16 @@
 
 User errors (an unknown case, a chunk that does not divide the heads, a plug-in
 that cannot be loaded, an unwritable report directory, a damaged fixture) exit
-with status 2 and one line on stderr, never a traceback. Parity failures exit 1.
+with status 2 and one line on stderr, never a traceback. Parity failures, and points
+whose implementation raised, crashed its worker or ran past --timeout, exit 1. An
+interrupted run (Ctrl-C, SIGTERM) writes partial reports and exits 130 / 143.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
-import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -56,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                      "judged with (harness/tolerance.py; default: highest)")
     run.add_argument("--out", default="reports", help="report directory (default: reports)")
     run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="time limit of one point (its implementation, reference and judging); a point "
+                          "past it is an error and its worker is killed (default: CSA_PARITY_TIMEOUT or "
+                          "600, over 40x the slowest point of the default matrix on a 2-core machine)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     fx = sub.add_parser("fixtures", help="regenerate or --check the committed fixtures")
     regenerate.add_arguments(fx)
@@ -114,6 +119,8 @@ def _validate_run_args(args) -> None:
         load_case(name, os.environ.get("CSA_PARITY_FIXTURES") or None)
     if args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs} must be >= 1")
+    if args.timeout is not None and not args.timeout > 0:
+        raise ValueError(f"--timeout={args.timeout:g} must be a number of seconds > 0")
     _check_writable(args.out)
 
 
@@ -138,13 +145,22 @@ def _init_worker(precision: str, fixtures_dir: str | None) -> None:
     jax.config.update("jax_default_matmul_precision", precision)
 
 
-def _evaluate_group(entries, reference: str, profile: str) -> list[dict]:
-    from .collect import evaluate
-    from .report import record
+class _Interrupted(BaseException):
+    """SIGTERM (a kill of the CLI): stop like Ctrl-C, writing partial reports."""
 
+
+def _terminate(signum, frame):
+    raise _Interrupted(signum)
+
+
+def _points_of(groups) -> list[list[tuple]]:
+    """Each group's entries as (point, entries of that point), in point order."""
     out = []
-    for entry in entries:
-        out.extend(record(entry, r) for r in evaluate(entry, reference, profile))
+    for entries in groups:
+        by_point: dict = {}
+        for e in entries:
+            by_point.setdefault(e.point, []).append(e)
+        out.append(sorted(by_point.items()))
     return out
 
 
@@ -183,9 +199,18 @@ def _stage_entries(entries, impl: str):
     return native + [Entry(p, STAGE_MODE, q, impl) for p in points for q in stage_quantities(api.stage)]
 
 
+CHECKPOINT_S = 30.0  # how often a running CLI rewrites its partial report (parity.json, parity.md)
+
+
+def _sorted(records: list[dict]) -> list[dict]:
+    return sorted(records, key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["qchunk"], r["teacher"],
+                                          r["mode"], r["quantity"], r["check"]))
+
+
 def run(args) -> int:
     from .matrix import build_matrix
-    from .report import format_table, status_line, summarise, table, write_reports
+    from .report import error_lines, format_table, status_line, summarise, table, write_reports
+    from .worker import run_points, timeout_from_env
 
     _validate_run_args(args)
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
@@ -197,29 +222,13 @@ def run(args) -> int:
     for e in entries:
         groups.setdefault(e.group, []).append(e)
     # Big groups first, so the last worker does not start the largest one alone.
-    ordered = sorted(groups.values(), key=len, reverse=True)
+    ordered = _points_of(sorted(groups.values(), key=len, reverse=True))
+    n_points = sum(len(g) for g in ordered)
     start = time.time()
     records: list[dict] = []
+    walls: list[tuple[float, str]] = []
     fixtures_dir = os.environ.get("CSA_PARITY_FIXTURES")
-    progress = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=len(entries), unit="entry", desc="parity", file=sys.stderr)
-    ctx = multiprocessing.get_context("spawn")
-    try:
-        with cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(ordered)), mp_context=ctx,
-                                    initializer=_init_worker, initargs=(args.precision, fixtures_dir)) as pool:
-            futures = {pool.submit(_evaluate_group, g, args.reference, args.precision): len(g) for g in ordered}
-            for fut in cf.as_completed(futures):
-                records.extend(fut.result())
-                if progress is not None:
-                    progress.update(futures[fut])
-    finally:
-        if progress is not None:
-            progress.close()
-    records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["qchunk"], r["teacher"], r["mode"], r["quantity"],
-                                r["check"]))
+    timeout = args.timeout if args.timeout is not None else timeout_from_env()
     _init_worker(args.precision, fixtures_dir)
     meta = {
         "impl": args.impl,
@@ -228,10 +237,59 @@ def run(args) -> int:
         "platform": platform_info(args.precision, args.reference),
         "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes", "teachers",
                                                     "full", "sample")},
-        "wall_s": time.time() - start,
+        "timeout_s": timeout,
     }
+
+    def point_meta(partial: str | None) -> dict:
+        slowest = sorted(walls, reverse=True)[:5]
+        return {**meta, "wall_s": time.time() - start,
+                "points": {"total": n_points, "run": len(walls), "wall_sum_s": round(sum(w for w, _ in walls), 2),
+                           "slowest": [[label, round(w, 2)] for w, label in slowest]},
+                "partial": None if partial is None else {"reason": partial, "points_run": len(walls),
+                                                         "points_total": n_points}}
+
+    # A report that says it is partial from the start, rewritten as points end (at most every
+    # CHECKPOINT_S): a CLI killed outright (SIGKILL) leaves one saying how many points ran.
+    running = "running, or killed before it ended"
+    write_reports([], point_meta(running), args.out, heatmap_too=False)
+    last_checkpoint = [time.monotonic()]
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(entries), unit="entry", desc="parity", file=sys.stderr)
+
+    def done(point, point_entries, point_records, wall):
+        records.extend(point_records)
+        walls.append((wall, point.label))
+        if progress is not None:
+            progress.update(len(point_entries))
+        if time.monotonic() - last_checkpoint[0] > CHECKPOINT_S:
+            write_reports(_sorted(records), point_meta(running), args.out, heatmap_too=False)
+            last_checkpoint[0] = time.monotonic()
+
+    interrupted = None
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        run_points(ordered, args.reference, args.precision,
+                   {"precision": args.precision, "fixtures_dir": fixtures_dir, "sys_path": list(sys.path)},
+                   args.jobs, timeout, done)
+    except KeyboardInterrupt:
+        interrupted = "interrupted (Ctrl-C)", 130
+    except _Interrupted:
+        interrupted = "interrupted (SIGTERM)", 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if progress is not None:
+            progress.close()
+    records = _sorted(records)
+    meta = point_meta(interrupted[0] if interrupted else None)
     paths = write_reports(records, meta, args.out)
     summary = summarise(records)
+    if interrupted:
+        print(f"csa-parity: {interrupted[0]} after {len(walls)} of {n_points} points; partial reports: "
+              f"{paths['json']}, {paths['md']}", file=sys.stderr)
+        return interrupted[1]
     header, rows = table(records)
     print(format_table(header, rows))
     print()
@@ -248,8 +306,13 @@ def run(args) -> int:
     print(format_table(hr_header, hr_rows))
     print(f"not applicable: {summary['not_applicable']} checks"
           + "".join(f"; {n} {reason}" for reason, n in summary["not_applicable_reasons"].items()))
-    for r in [r for r in records if r["status"] in ("failed", "error")][:20]:
+    for r in [r for r in records if r["status"] == "failed"][:20]:
         print("FAIL", r["message"])
+    for line in error_lines(summary)[:20]:  # one line per error (a crash is one line, not one per quantity)
+        print("ERROR", line)
+    slowest = meta["points"]["slowest"]
+    if slowest:
+        print(f"slowest point: {slowest[0][1]:.1f} s ({slowest[0][0]}); time limit {timeout:g} s per point")
     print(f"reports: {paths['json']}, {paths['md']}, {paths['png']}")
     return 0 if summary["failed"] + summary["errors"] == 0 else 1
 

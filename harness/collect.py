@@ -20,7 +20,7 @@ from .compare import CheckResult
 from .implementations import forward_stages, order_errors, outputs, reference_name, stage_references
 from .judge import first_divergence, judge, stage_checks
 from .matrix import Entry, Point
-from .outputs import FAILED, STAGE_MODE, Outputs, References, kind_of
+from .outputs import FAILED, FORWARD_QUANTITIES, STAGE_MODE, Outputs, References, kind_of, output_name
 from .tolerance import Policy
 
 
@@ -55,9 +55,9 @@ def collect(entry: Entry, reference: str = "live") -> tuple[Outputs, References]
             na = Outputs(entry.impl, not_applicable=(
                 "a stage is judged against the live reference (the goldens store no stage inputs): "
                 "run with --reference live"))
-            return (candidate if candidate.error else na), References(oracle=na, at_dtype=na)
-        return candidate, References(oracle=stage_references(p.case, "float64"),
-                                     at_dtype=stage_references(p.case, p.dtype))
+            return (_own_error(entry, [candidate]) or na), References(oracle=na, at_dtype=na)
+        return _own_error(entry, [candidate]) or candidate, References(
+            oracle=stage_references(p.case, "float64"), at_dtype=stage_references(p.case, p.dtype))
     references = References(
         oracle=outputs(ref, p.case, Point(p.case, "float64", teacher=p.teacher)),
         at_dtype=outputs(ref, p.case, Point(p.case, p.dtype, teacher=p.teacher)),
@@ -65,7 +65,31 @@ def collect(entry: Entry, reference: str = "live") -> tuple[Outputs, References]
         order_errors=order_errors(p.case, p.dtype, p.teacher),
         dims=dims(p.case),
     )
-    return candidate, references
+    sides = [candidate, references.native, references.oracle, references.at_dtype]
+    return _own_error(entry, sides) or candidate, references
+
+
+def reads(entry: Entry) -> list[str]:
+    """The canonical names (or prefixes) the judge reads of an entry's outputs."""
+    q, mode = entry.quantity, entry.mode
+    if mode == STAGE_MODE or q in FORWARD_QUANTITIES:
+        return [q]
+    if q == "input_grads":
+        return [f"input_grad.{mode}."]
+    if mode == "dense":
+        return [output_name(q, "dense")]
+    return [output_name(q, "sparse"), output_name(q, "sparse_at_oracle"), "topk_indices"]
+
+
+def _own_error(entry: Entry, sides) -> Outputs | None:
+    """The entry's candidate as an error (the judge's `error` status, one line) when a call it
+    reads failed on any side: the candidate, its native run or the reference raised there, or
+    killed or hung a worker (Outputs.errors: only that call's quantities). None otherwise."""
+    for side in sides:
+        line = side.error_of(reads(entry)) if side is not None else ""
+        if line:
+            return Outputs(entry.impl, error=line)
+    return None
 
 
 def evaluate(entry: Entry, reference: str = "live", profile: str = "highest") -> list[CheckResult]:

@@ -42,9 +42,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from . import worker
 from .compare import to_numpy
 from .matrix import Point
 from .outputs import FORWARD_QUANTITIES, LOSS_VARIANTS, PARAM_NAMES, STAGE_INPUTS, Outputs, all_names
+from .worker import WorkerCrash
 
 PROTOCOL = ("CSAConfig", "indexer_forward", "indexer_loss_and_grads")
 REQUIRED = ("CSAConfig",)  # and at least one of the two entry points
@@ -142,32 +144,42 @@ class ProtocolImplementation:
         dense_cfg = self.config(run_config(problem.config, point, False))
         validate = getattr(self.api, "validate_inputs", None)  # optional: host-side value checks
         if callable(validate):
-            validate(problem.params, problem.inputs, dense_cfg, selection)
+            with worker.stage(f"{self.name} validate_inputs", point.label):
+                validate(problem.params, problem.inputs, dense_cfg, selection)
         bundle = getattr(self.api, "indexer_parity_bundle", None)
         losses = self._has("indexer_loss_and_grads") and point.teacher in self.teachers()
+        values, errors = {}, {}
         if callable(bundle) and selection is not None and losses:
-            raw = bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection)
-            forward = raw["forward"]
-            runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
+            with worker.stage(f"{self.name} indexer_parity_bundle", point.label):
+                raw = bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection)
+                values = _canonical(raw["forward"], {"dense": raw["dense"], "sparse": raw["sparse"],
+                                                     "sparse_at_oracle": raw["sparse_at_selection"]})
         else:
-            forward, runs = None, {}
+            # One call at a time, each owning its quantities: a loss that raises leaves the forward judged.
             if self._has("indexer_forward"):
-                forward = self.api.indexer_forward(problem.params, problem.inputs, dense_cfg, point.dtype)
+                def forward():
+                    return _canonical(self.api.indexer_forward(problem.params, problem.inputs, dense_cfg, point.dtype), {})
+
+                values.update(_attributed(self.name, "indexer_forward", point, FORWARD_QUANTITIES, errors, forward) or {})
             if losses:
                 sparse_cfg = self.config(run_config(problem.config, point, True))
                 todo = [("dense", dense_cfg, None), ("sparse", sparse_cfg, None)]
                 if selection is not None:
                     todo.append(("sparse_at_oracle", sparse_cfg, selection))
                 for variant, cfg, sel in todo:
-                    runs[variant] = self.api.indexer_loss_and_grads(problem.params, problem.inputs, cfg,
-                                                                    point.dtype, selection=sel)
-        values = _canonical(forward, runs)
+                    def loss(cfg=cfg, sel=sel, variant=variant):
+                        return _canonical(None, {variant: self.api.indexer_loss_and_grads(
+                            problem.params, problem.inputs, cfg, point.dtype, selection=sel)})
+
+                    owns = (f"loss.{variant}", f"grad.{variant}.", f"input_grad.{variant}.")
+                    values.update(_attributed(self.name, f"indexer_loss_and_grads ({variant})", point, owns, errors,
+                                              loss) or {})
         missing = self.missing(point)
         values = {k: v for k, v in values.items() if not any(k.startswith(m) for m in missing)}
         if selection is None:
             missing.setdefault("loss.sparse_at_oracle", "no oracle selection was given")
             missing.setdefault("grad.sparse_at_oracle.", "no oracle selection was given")
-        return Outputs(self.name, values, missing)
+        return Outputs(self.name, values, missing, errors=errors)
 
     def _run_sharded(self, problem, point: Point) -> Outputs:
         sharded = getattr(self.api, "sharded", None) if self.name != "jax" else importlib.import_module("jax_impl.sharded")
@@ -184,10 +196,12 @@ class ProtocolImplementation:
                 f"{data}x{model} needs {n} (run the sharded slice in its own process: pytest tests/sharded)"))
         mesh = Mesh(np.array(jax.devices()[:n]).reshape(point.mesh), ("data", "model"))
         cfg = self.config(run_config(problem.config, point, False))
-        raw = sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype, mesh,
-                                            problem.oracle_selection)
-        runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
-        return Outputs(f"{self.name} mesh {data}x{model}", _canonical(raw["forward"], runs), self.missing(point))
+        with worker.stage(f"{self.name} sharded_parity_bundle", point.label):
+            raw = sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype, mesh,
+                                                problem.oracle_selection)
+            runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
+            values = _canonical(raw["forward"], runs)
+        return Outputs(f"{self.name} mesh {data}x{model}", values, self.missing(point))
 
 
 def load_implementation(spec: str) -> ProtocolImplementation:
@@ -241,6 +255,25 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def _attributed(spec: str, call: str, point: Point, owns, errors: dict, fn):
+    """`fn()` (one call into implementation `spec`, its results made host arrays inside, so an
+    asynchronous JAX error or crash is the call's): its result, or None with one line under
+    each name of `owns` in `errors` when a plug-in raised or the call killed or hung a worker
+    before (harness.worker). A built-in side's exception propagates (a bug there is a traceback)."""
+    try:
+        with worker.stage(f"{spec} {call}", point.label):
+            return fn()
+    except WorkerCrash as exc:
+        line = str(exc)
+    except Exception as exc:  # anything the plug-in raises
+        if spec in BUILTIN_SPECS:
+            raise
+        worker.note_failure(exc)
+        line = f"plug-in {spec} raised in {call} at {point.label}: {_first_line(exc)}"
+    errors.update({name: line for name in owns})
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class StageImplementation:
     """A plug-in that provides one stage: `STAGE = "scores"` and `scores(q, keys, head_weights)
@@ -265,25 +298,36 @@ class StageImplementation:
         inputs = reference_stage_values(problem, point.dtype)
         args = [inputs[f"input.{n}"] for n in STAGE_INPUTS[self.stage]]
         fn = getattr(self.api, self.stage)
-        out = fn(*args)
         expected = inputs[f"stage.{self.stage}"].shape
-        if tuple(np.shape(out)) != tuple(expected):
-            raise ValueError(f"{self.stage}() returned shape {tuple(np.shape(out))}, expected {tuple(expected)} "
-                             "[B, S, W]")
-        values = {f"stage.{self.stage}": to_numpy(out)}
-        missing = self.missing()
-        if type(out).__module__.startswith("jax"):
-            import jax
-            import jax.numpy as jnp
+        out_name, grad_prefix = f"stage.{self.stage}", f"stage_grad.{self.stage}."
+        missing, errors = self.missing(), {}
 
-            primal, pullback = jax.vjp(fn, *(jnp.asarray(a) for a in args))
-            ct = jnp.asarray(stage_cotangent(expected), primal.dtype)
-            for n, g in zip(STAGE_INPUTS[self.stage], pullback(ct)):
-                values[f"stage_grad.{self.stage}.{n}"] = to_numpy(g)
+        def forward():
+            out = fn(*args)
+            if tuple(np.shape(out)) != tuple(expected):
+                raise ValueError(f"{self.stage}() returned shape {tuple(np.shape(out))}, expected {tuple(expected)} "
+                                 "[B, S, W]")
+            return out, to_numpy(out)
+
+        result = _attributed(self.name, f"{self.stage}()", point, (out_name, grad_prefix), errors, forward)
+        if result is None:  # the forward failed: so did everything of the stage
+            return Outputs(self.name, {}, missing, errors=errors)
+        out, values = result[0], {out_name: result[1]}
+        if type(out).__module__.startswith("jax"):
+            def backward():
+                import jax
+                import jax.numpy as jnp
+
+                primal, pullback = jax.vjp(fn, *(jnp.asarray(a) for a in args))
+                ct = jnp.asarray(stage_cotangent(expected), primal.dtype)
+                return {f"{grad_prefix}{n}": to_numpy(g) for n, g in zip(STAGE_INPUTS[self.stage], pullback(ct))}
+
+            values.update(_attributed(self.name, f"the backward of {self.stage}() (jax.vjp)", point, (grad_prefix,),
+                                      errors, backward) or {})
         else:
             missing[f"stage_grad.{self.stage}."] = (f"{self.name} returned {type(out).__name__}, not a JAX "
                                                     "array: its gradient is not taken (JAX plug-ins: jax.vjp)")
-        return Outputs(self.name, values, missing)
+        return Outputs(self.name, values, missing, errors=errors)
 
 
 def reference_stage_values(problem, dtype: str) -> dict[str, np.ndarray]:
@@ -300,7 +344,7 @@ def _reference_stage_values(name, dtype, directory) -> dict[str, np.ndarray]:
 
     problem = _fixture(name, directory)
     cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in problem.config.items() if k not in KNOBS})
-    with deterministic_torch() as torch:
+    with worker.stage("torch_ref scoring stage", Point(name, dtype).label), deterministic_torch() as torch:
         st = torch_ref.forward_stages(problem.params, problem.inputs, cfg, dtype)
         wide = st["head_weights"].dtype
         leaves = [st["queries"].to(wide).detach().requires_grad_(True), st["keys"].to(wide).detach().requires_grad_(True),
@@ -330,8 +374,17 @@ def forward_stages(spec: str, case: str, dtype: str, sparse: bool = False,
     """The forward intermediates (harness.outputs.FORWARD_STAGES) of implementation `spec`
     (`jax`, a plug-in with `forward_stages`, or `torch_ref`) on `case` at `dtype`, native path;
     the teacher (of `teacher`) and student of the dense loss, or (`sparse`) of the sparse loss on
-    the float64 oracle's selection. None when the implementation exposes none. Cached per process."""
+    the float64 oracle's selection. None when the implementation exposes none. Cached per process.
+    A plug-in's run in a worker process outside one (harness.worker.isolated)."""
+    if spec not in BUILTIN_SPECS and not worker.inside():
+        return _isolated_forward_stages(spec, case, dtype, sparse, teacher, fixtures_dir())
     return _forward_stages(spec, case, dtype, sparse, teacher, fixtures_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _isolated_forward_stages(spec, case, dtype, sparse, teacher, directory):
+    return worker.isolated("harness.implementations:_forward_stages", spec, case, dtype, sparse, teacher,
+                           directory, label=Point(case, dtype, teacher=teacher).label)
 
 
 @functools.lru_cache(maxsize=None)
@@ -352,7 +405,9 @@ def _forward_stages(spec: str, case: str, dtype: str, sparse: bool, teacher: str
         fn = getattr(getattr(impl, "api", None), "forward_stages", None)
         if not callable(fn):
             return None
-        raw = fn(problem.params, problem.inputs, impl.config(cfg_dict), dtype, selection)
+        with worker.stage(f"{spec} forward_stages", Point(case, dtype, teacher=teacher).label):
+            raw = fn(problem.params, problem.inputs, impl.config(cfg_dict), dtype, selection)
+            return {k: to_numpy(v) for k, v in raw.items()}
     return {k: to_numpy(v) for k, v in raw.items()}
 
 
@@ -395,7 +450,7 @@ class TorchReference:
         dense = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": False})
         sparse = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": True})
 
-        with deterministic_torch() as torch:
+        with worker.stage("torch_ref", point.label), deterministic_torch() as torch:
             def np_of(t) -> np.ndarray:
                 t = t.detach().cpu()
                 if t.dtype == torch.bfloat16:
@@ -487,15 +542,28 @@ BUILTIN_SPECS = ("jax", "torch_ref", "goldens")
 
 @functools.lru_cache(maxsize=None)
 def _outputs(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
-    problem = _fixture(case, directory)
     if spec in BUILTIN_SPECS:  # the harness's own sides: a bug there is a traceback
-        return implementation(spec).run(problem, point)
-    # issue 11: a plug-in that raises (or returns something malformed) at a point does not
-    # stop the run: the point's result says so, in one line, and every other point runs.
+        try:
+            return implementation(spec).run(_fixture(case, directory), point)
+        except WorkerCrash as exc:  # a call of it killed or hung a worker (harness.worker)
+            return Outputs(spec, error=str(exc))
+    # A plug-in that raises (or returns something malformed) at a point does not stop the run:
+    # the point's result says so, in one line, and every other point runs. Outside a worker
+    # process it runs in one (harness.worker): a crash or a hang is an error too.
     try:
-        return implementation(spec).run(problem, point)
-    except Exception as exc:  # anything the plug-in raises
-        return Outputs(spec, error=f"plug-in {spec} raised at {point.label}: {_first_line(exc)}")
+        if not worker.inside():
+            return worker.isolated("harness.implementations:_outputs_here", spec, case, point, directory,
+                                   label=point.label)
+        return _outputs_here(spec, case, point, directory)
+    except Exception as exc:  # anything the plug-in raises, or WorkerCrash
+        worker.note_failure(exc)
+        line = (str(exc) if isinstance(exc, WorkerCrash)
+                else f"plug-in {spec} raised at {point.label}: {_first_line(exc)}")
+        return Outputs(spec, error=line)
+
+
+def _outputs_here(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
+    return implementation(spec).run(_fixture(case, directory), point)
 
 
 def reference_name(reference: str) -> str:
@@ -506,5 +574,5 @@ def reference_name(reference: str) -> str:
 
 
 def clear_caches() -> None:
-    for fn in (_fixture, implementation, _outputs, _reference_stage_values, _forward_stages):
+    for fn in (_fixture, implementation, _outputs, _reference_stage_values, _forward_stages, _isolated_forward_stages):
         fn.cache_clear()

@@ -123,10 +123,31 @@ class Outputs:
     # issue 11: set when the implementation raised (or returned something malformed) at this
     # point: one line naming the implementation, the point and the exception; `values` empty.
     error: str = ""
+    # Errors of single calls (name or prefix -> one line): a stage plug-in whose backward raised
+    # has `stage_grad.scores.` here and its forward in `values`. An entry reading such a name
+    # is `error` (harness.collect); the point's other quantities are judged as usual.
+    errors: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
         object.__setattr__(self, "missing", MappingProxyType(dict(self.missing)))
+        object.__setattr__(self, "errors", MappingProxyType(dict(self.errors)))
+
+    def __reduce__(self):  # picklable (a worker process sends Outputs back): mapping proxies are not
+        return (Outputs, (self.source, dict(self.values), dict(self.missing), self.not_applicable, self.error,
+                          dict(self.errors)))
+
+    def error_of(self, names) -> str:
+        """The error line of the first of `names` (canonical names or prefixes) that the
+        implementation failed to compute: the whole point's `error`, else the `errors` entry
+        that covers it; "" if none."""
+        if self.error:
+            return self.error
+        for name in names:
+            for key, line in self.errors.items():
+                if name.startswith(key) or key.startswith(name):
+                    return line
+        return ""
 
     def __contains__(self, name: str) -> bool:
         return name in self.values

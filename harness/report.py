@@ -8,17 +8,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections import defaultdict
 
 from .compare import CheckResult
-from .matrix import Entry
+from .matrix import Entry, Point
 from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, kind_of
 
 # 2: "status" (one of harness.outputs.STATUSES) replaces "passed"; "mesh";
 #    summary["statuses"] counts each; headroom kinds are harness.outputs.kind_of's.
 # 3 (issue 11): status "error" and summary["errors"]; results carry "first_divergence"; mode
 #    "stage" and quantities stage.<stage> / stage_grad.<stage>.<input> for stage plug-ins.
-JSON_SCHEMA_VERSION = 3
+# 4: "timeout_s", "points" ({"total", "run", "wall_sum_s", "slowest": [[point, wall_s], ...]}) and "partial"
+#    (null, or {"reason", "points_run", "points_total"}: an interrupted run); summary
+#    "errors_by_point" ({point: {"checks", "quantities", "message"}}) and "errors_by_quantity".
+JSON_SCHEMA_VERSION = 4
 COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "loss", "grad", "input_grads")
 
 
@@ -103,6 +107,40 @@ def headroom(records: list[dict]) -> dict:
             "above_half": len(above), "above_half_checks": above}
 
 
+def point_label(rec: dict) -> str:
+    """The label of a record's point (harness.matrix.Point.label)."""
+    return Point(rec["case"], rec["dtype"], rec["ichunk"], rec["tchunk"], rec.get("qchunk", 0),
+                 tuple(rec["mesh"]) if rec.get("mesh") else None, rec.get("teacher", "joint")).label
+
+
+def errors_by(records: list[dict]) -> tuple[dict, dict]:
+    """({point: {"checks": n, "quantities": [...], "message": the error's line}}, {quantity: n})
+    over the `error` checks: one crash or one raise is one line per point, whatever it
+    owned. The message is the first error of the point (a point with two different errors
+    shows the first; parity.json has each)."""
+    points: dict[str, dict] = {}
+    quantities: dict[str, int] = {}
+    for r in records:
+        if r["status"] != ERROR:
+            continue
+        row = points.setdefault(point_label(r), {"checks": 0, "quantities": [], "message": r["note"]})
+        row["checks"] += 1
+        if r["quantity"] not in row["quantities"]:
+            row["quantities"].append(r["quantity"])
+        quantities[r["quantity"]] = quantities.get(r["quantity"], 0) + 1
+    return points, quantities
+
+
+def error_lines(summary: dict) -> list[str]:
+    """One line per point with errors: '<message> (n checks: q1, q2, ...)'."""
+    out = []
+    for label, row in summary["errors_by_point"].items():
+        qs = row["quantities"]
+        names = ", ".join(qs[:4]) + (f", ... ({len(qs)} quantities)" if len(qs) > 4 else "")
+        out.append(f"{row['message']} ({row['checks']} check{'s' if row['checks'] != 1 else ''}: {names})")
+    return out
+
+
 def summarise(records: list[dict]) -> dict:
     worst_by_dtype: dict[str, float] = {}
     for rec in records:
@@ -114,12 +152,15 @@ def summarise(records: list[dict]) -> dict:
         if r["status"] in reasons:
             reasons[r["status"]][r["note"]] = reasons[r["status"]].get(r["note"], 0) + 1
     statuses = {s: sum(r["status"] == s for r in records) for s in STATUSES}
+    by_point, by_quantity = errors_by(records)
     return {
         "entries": len({r["id"] for r in records}),
         "checks": len(records),
         "statuses": statuses,  # every check in exactly one status
         "failed": statuses[FAILED],
-        "errors": statuses[ERROR],  # issue 11: points where the implementation raised
+        "errors": statuses[ERROR],  # checks whose implementation raised, crashed its worker or timed out
+        "errors_by_point": by_point,
+        "errors_by_quantity": by_quantity,
         "failed_entries": len({r["id"] for r in records if _failed(r)}),
         # never dropped, never passed: counted, with every id in results and the reasons here
         "not_applicable": statuses[NOT_APPLICABLE],
@@ -179,8 +220,25 @@ def format_table(header: list[str], rows: list[list[str]], markdown: bool = Fals
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
-def write_reports(records: list[dict], meta: dict, out_dir: str) -> dict[str, str]:
-    """Write parity.json, parity.md and parity_heatmap.png under out_dir; returns their paths."""
+def _replace_atomically(path: str, write) -> None:
+    """`write(f)` into a temporary file beside `path`, then rename it over `path`: a reader (or
+    a run killed meanwhile) sees the old file or the new one, never half of one."""
+    directory, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=os.path.splitext(name)[1], dir=directory or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_reports(records: list[dict], meta: dict, out_dir: str, heatmap_too: bool = True) -> dict[str, str]:
+    """Write parity.json, parity.md and (unless `heatmap_too` is False: a running CLI's partial
+    report) parity_heatmap.png under out_dir, each atomically; returns their paths. A partial
+    report (meta["partial"]) drops the heat map of an earlier run."""
     os.makedirs(out_dir, exist_ok=True)
     summary = summarise(records)
     paths = {
@@ -188,17 +246,30 @@ def write_reports(records: list[dict], meta: dict, out_dir: str) -> dict[str, st
         "md": os.path.join(out_dir, "parity.md"),
         "png": os.path.join(out_dir, "parity_heatmap.png"),
     }
-    with open(paths["json"], "w") as f:
-        json.dump({"schema_version": JSON_SCHEMA_VERSION, **meta, "summary": summary, "results": records}, f, indent=1)
-    with open(paths["md"], "w") as f:
-        f.write(markdown(records, meta, summary))
-    heatmap(records, paths["png"], summary)
+    data = {"schema_version": JSON_SCHEMA_VERSION, **meta, "summary": summary, "results": records}
+    _replace_atomically(paths["json"], lambda f: json.dump(data, f, indent=1))
+    _replace_atomically(paths["md"], lambda f: f.write(markdown(records, meta, summary)))
+    if heatmap_too and records:
+        fd, tmp = tempfile.mkstemp(prefix=".parity_heatmap.", suffix=".png", dir=out_dir)
+        os.close(fd)
+        try:
+            heatmap(records, tmp, summary)
+            os.replace(tmp, paths["png"])
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    elif os.path.exists(paths["png"]):
+        os.remove(paths["png"])  # an earlier run's, which these records do not describe
     return paths
 
 
 def markdown(records: list[dict], meta: dict, summary: dict) -> str:
     header, rows = table(records)
     status = "PASS" if summary["failed"] + summary["errors"] == 0 else f"FAIL ({summary['failed_entries']} entries)"
+    partial = meta.get("partial")
+    if partial:
+        status = (f"PARTIAL, {partial['reason']}: {partial['points_run']} of {partial['points_total']} points ran; "
+                  f"so far {status}")
     hr_header, hr_rows = headroom_table(summary)
     hr = summary["headroom"]
     na_lines = [f"- {n} checks {reason}" for reason, n in summary["not_applicable_reasons"].items()]
@@ -234,7 +305,11 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         format_table(header, rows, markdown=True),
         "",
     ]
-    failures = [r for r in records if _failed(r)]
+    errors = error_lines(summary)
+    if errors:
+        lines += ["## Errors (one line per point: the implementation raised, crashed its worker or timed out)", ""]
+        lines += [f"- {line}" for line in errors[:200]] + [""]
+    failures = [r for r in records if r["status"] == FAILED]
     if failures:
         lines += ["## Failures", ""] + [f"- `{r['id']}`: {r['message']}" for r in failures[:200]]
         if len(failures) > 200:

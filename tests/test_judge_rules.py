@@ -17,7 +17,6 @@ probe and the heat map's drawing; nothing of the judging, the summary or parity.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import math
 
 import numpy as np
@@ -26,6 +25,7 @@ import pytest
 from harness import collect as collect_module
 from harness import report as report_module
 from harness import tolerance
+from harness import worker as worker_module
 from harness.compare import CheckResult, status_result
 from harness.judge import judge, stage_checks
 from harness.matrix import Entry, Point
@@ -695,11 +695,12 @@ PLUGIN = ("class CSAConfig(dict):\n    from_dict = classmethod(lambda cls, d: cl
           "def indexer_forward(params, inputs, cfg, dtype):\n    raise NotImplementedError\n")
 
 
-class _InProcessPool(cf.ThreadPoolExecutor):
-    """The CLI's worker pool, in this process (so the patched evaluation below is the one run)."""
-
-    def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=()):
-        super().__init__(max_workers=1)
+def _run_points_here(groups, reference, profile, init, jobs, timeout, on_done):
+    """The CLI's workers, in this process (so the patched evaluation below is the one run)."""
+    for group in groups:
+        for point, entries in group:
+            on_done(point, entries, [record(e, r) for e in entries
+                                     for r in collect_module.evaluate(e, reference, profile)], 0.0)
 
 
 def _result_of(status, quantity):
@@ -726,7 +727,7 @@ def test_cli_exit_code_follows_every_status(status, tmp_path, monkeypatch):
         return [_result_of(status if len(seen) == 1 else PASSED, entry.quantity)]
 
     monkeypatch.setattr(collect_module, "evaluate", evaluate)
-    monkeypatch.setattr(cli.cf, "ProcessPoolExecutor", _InProcessPool)
+    monkeypatch.setattr(worker_module, "run_points", _run_points_here)
     monkeypatch.setattr(cli, "_init_worker", lambda precision, fixtures_dir: None)
     monkeypatch.setattr(cli, "platform_info", lambda precision, reference: {"backend": "cpu", "device_kind": "cpu"})
     monkeypatch.setattr(report_module, "heatmap", lambda records, path, summary=None: None)  # a picture, no verdict

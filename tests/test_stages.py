@@ -63,7 +63,7 @@ def test_a_plugin_that_raises_on_one_case_does_not_stop_the_run(tmp_path):
     assert all(r["status"] == "passed" for r in recs if r["case"] == "tiny")
     errors = [r for r in recs if r["case"] == "small"]
     assert errors and all(r["status"] == "error" for r in errors)
-    assert ("plug-in plugins.stage_plugins:raising raised at small float32 ichunk=0 tchunk=0: "
+    assert ("plug-in plugins.stage_plugins:raising raised in indexer_forward at small float32 ichunk=0 tchunk=0: "
             "ValueError: shape mismatch in my kernel") in errors[0]["message"]
 
 

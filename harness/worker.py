@@ -1,0 +1,395 @@
+"""Crash isolation: implementations run in worker processes that may die or hang without
+taking the run down.
+
+A kernel under development segfaults, aborts inside a runtime, is killed for memory or never
+returns. None of that may end the process that writes the reports. So:
+
+- `csa-parity run` hands its points to persistent worker processes (`run_points`; `--jobs`
+  of them, also with `--jobs 1`). A worker imports JAX once and runs point after point of one
+  (implementation, case, dtype) group, keeping its caches (compiled programs, the torch
+  reference, fixtures). It is replaced only when it dies or when a point runs past the time
+  limit (then it is killed).
+- In a process that is not a worker (pytest, a script calling `collect` / `evaluate`), a
+  plug-in runs in one such worker of that process (`isolated`), under the same time limit;
+  the built-in sides (jax, torch_ref, goldens) run in-process.
+
+Attribution. Right before each call into an implementation, harness.implementations enters
+`stage(key, label)`, and the worker tells the parent which call started (and when it ended).
+When a worker dies or times out inside a call, the call is remembered as poisoned, with one
+line (`worker killed by signal SIGSEGV at <point>, in <impl> <call>`, `timed out after 600 s
+at <point>, ...`), and the point runs again in a fresh worker where that call raises
+`WorkerCrash` instead of running: the quantities that call owns get `error` with that line,
+everything else of the point is judged as usual (a forward that succeeded keeps its verdict
+when the backward crashed; a stage plug-in's pipeline quantities stay not provided). A death
+outside any call marks the whole point `error`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import multiprocessing
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections import deque
+
+# The time limit of one point when none is given (`csa-parity run --timeout`, CSA_PARITY_TIMEOUT
+# for pytest): a large multiple of the slowest single point measured on the 2-core CI machine
+# (README, "Crash isolation and time limits", says which and how), so that only a hang or a
+# pathological slowdown reaches it.
+DEFAULT_TIMEOUT = 600.0
+# How often one point is run again in a fresh worker after a crash or a time-out inside a
+# known call (each time with every poisoned call raising instead of running).
+MAX_RERUNS = 3
+
+
+class WorkerCrash(Exception):
+    """A call that killed or hung a worker before: raised instead of running it again. Its
+    text is the one-line error of the quantities the call owns."""
+
+
+def timeout_from_env() -> float:
+    """CSA_PARITY_TIMEOUT (seconds) or DEFAULT_TIMEOUT: the time limit of isolated calls."""
+    text = os.environ.get("CSA_PARITY_TIMEOUT", "")
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT
+    except ValueError:
+        raise ValueError(f"CSA_PARITY_TIMEOUT={text!r} must be a number of seconds > 0") from None
+    if not value > 0:
+        raise ValueError(f"CSA_PARITY_TIMEOUT={text!r} must be a number of seconds > 0")
+    return value
+
+
+# --------------------------------------------------------------------------- inside a worker
+
+_INSIDE = False  # True in a worker process: implementations run here, in-process
+_CONN = None  # the worker's end of the pipe (stage notifications)
+_POISONED: dict[tuple[str, str], str] = {}  # (call, point label) -> the line it raises with
+_RETIRE = False  # set when an implementation ran out of memory here: the worker is replaced after the task
+
+
+def inside() -> bool:
+    """True in a worker process (plug-ins run in-process there)."""
+    return _INSIDE
+
+
+@contextlib.contextmanager
+def stage(key: str, label: str):
+    """Around one call into an implementation (`key`: "<impl> <call>", `label`: the point it
+    runs at): raises WorkerCrash if that call killed or hung a worker before; in a worker,
+    tells the parent that it started and that it ended."""
+    if (key, label) in _POISONED:
+        raise WorkerCrash(_POISONED[(key, label)])
+    if _CONN is not None:
+        _CONN.send(("stage", (key, label)))
+    yield
+    if _CONN is not None:
+        _CONN.send(("stage", None))
+
+
+def note_failure(exc: BaseException) -> None:
+    """An implementation raised `exc` here. Out of memory (MemoryError, XLA's RESOURCE_EXHAUSTED),
+    the process may stay crippled (a resource limit the plug-in set, fragmented memory): the
+    worker is replaced once its task has been answered."""
+    global _RETIRE
+    if _INSIDE and (isinstance(exc, MemoryError) or "RESOURCE_EXHAUSTED" in str(exc)):
+        _RETIRE = True
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the process that started it dies (a killed CLI leaves
+    no worker computing on). Elsewhere the worker ends at its next read from the pipe."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _setup(init: dict) -> None:
+    os.environ["JAX_ENABLE_X64"] = "1"
+    if init.get("fixtures_dir"):
+        os.environ["CSA_PARITY_FIXTURES"] = init["fixtures_dir"]
+    sys.path[:] = init.get("sys_path") or sys.path
+    _POISONED.update(init.get("poison") or {})
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_default_matmul_precision", init.get("precision", "highest"))
+    # Imported here, not inside the first point, so that a time limit measures implementations.
+    from . import collect  # noqa: F401
+    try:
+        import torch  # noqa: F401  (the live reference; absent in the JAX-only install)
+    except ImportError:
+        pass
+
+
+def _error_records(entries, line: str) -> list[dict]:
+    """The records of `entries` when their point could not be collected: `error` with `line`."""
+    from .judge import judge
+    from .outputs import Outputs
+    from .report import record
+
+    return [record(e, r) for e in entries for r in judge(e, Outputs(e.impl, error=line), None)]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _evaluate_point(entries, reference: str, profile: str) -> list[dict]:
+    from .collect import evaluate
+    from .report import record
+
+    try:
+        return [record(e, r) for e in entries for r in evaluate(e, reference, profile)]
+    except Exception as exc:  # the harness or a built-in side raised: the point's error, traceback on stderr
+        traceback.print_exc()
+        return _error_records(entries, f"the harness raised at {entries[0].point.label}: {_first_line(exc)} "
+                                       "(traceback on stderr)")
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(_first_line(exc))
+
+
+def _main(conn, init: dict) -> None:
+    global _INSIDE, _CONN
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _die_with_parent()
+    _setup(init)
+    _INSIDE, _CONN = True, conn
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        _POISONED.update(msg[-1])
+        if msg[0] == "point":
+            _, entries, reference, profile, _ = msg
+            start = time.perf_counter()
+            records = _evaluate_point(entries, reference, profile)
+            conn.send(("done", records, time.perf_counter() - start, _RETIRE))
+        elif msg[0] == "call":
+            _, target, args, path, _ = msg
+            sys.path[:] = path
+            importlib.invalidate_caches()
+            module, _, name = target.partition(":")
+            try:
+                result = getattr(importlib.import_module(module), name)(*args)
+                conn.send(("result", result, _RETIRE))
+            except Exception as exc:
+                note_failure(exc)
+                conn.send(("raised", _picklable(exc), _RETIRE))
+        if _RETIRE:
+            return
+
+
+# --------------------------------------------------------------------------- the parent's side
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """`worker killed by signal SIGSEGV` / `worker exited with code 3`."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"worker killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"worker killed by signal {-exitcode}"
+    return f"worker exited with code {exitcode}"
+
+
+def crash_line(what: str, point_label: str, last) -> str:
+    """One line: what happened, the point, and the call that had started (if known)."""
+    if last is None:
+        return f"{what} at {point_label} (outside any implementation call)"
+    key, label = last
+    return f"{what} at {point_label}, in {key}" + ("" if label == point_label else f" (at {label})")
+
+
+class _Worker:
+    """One worker process and the parent's end of its pipe."""
+
+    def __init__(self, init: dict):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_main, args=(child, init), daemon=True, name="csa-parity-worker")
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.last = None  # (call, label) of the call running now, None between calls
+        self.task = None
+        self.started = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+    def messages(self):
+        """Every message waiting on the pipe (after a death, what it sent before dying)."""
+        out = []
+        try:
+            while self.conn.poll():
+                out.append(self.conn.recv())
+        except (EOFError, OSError):
+            pass
+        return out
+
+
+def _start(init: dict) -> _Worker:
+    w = _Worker(init)
+    while not w.ready:  # JAX imports here; a worker that cannot start is a harness failure
+        if w.conn.poll(1.0):
+            try:
+                w.ready = w.conn.recv()[0] == "ready"
+            except EOFError:
+                pass
+        if not w.ready and not w.proc.is_alive() and not w.conn.poll():
+            w.kill()
+            raise RuntimeError(f"a csa-parity worker could not start ({describe_exit(w.proc.exitcode)}); "
+                               "its stderr says why")
+    return w
+
+
+def run_points(groups, reference: str, profile: str, init: dict, jobs: int, timeout: float, on_done) -> None:
+    """Evaluate every point of `groups` (lists of (point, entries), one (implementation, case,
+    dtype) each) in `jobs` persistent workers; `on_done(point, entries, records, wall_s)` as
+    each point ends. A worker that dies, or runs one point longer than `timeout` seconds (then
+    it is killed), is replaced; the point runs again with the call it was in poisoned (up to
+    MAX_RERUNS times), or, if it died outside any call, gets `error` as a whole."""
+    pending = deque(deque(g) for g in groups if g)
+    poison: dict[tuple[str, str], str] = {}
+    reruns: dict = {}
+    slots: list[tuple[_Worker, deque]] = []
+    try:
+        for _ in range(min(jobs, len(pending))):
+            slots.append((_start({**init, "poison": poison}), pending.popleft()))
+        while slots:
+            for i, (w, queue) in enumerate(list(slots)):
+                if w.task is None:
+                    if not queue and pending:
+                        queue = pending.popleft()
+                        slots[i] = (w, queue)
+                    if queue:
+                        w.task = queue.popleft()
+                        w.started, w.last = time.monotonic(), None
+                        try:
+                            w.conn.send(("point", w.task[1], reference, profile, dict(poison)))
+                        except OSError:  # it died between points: noticed below as a death
+                            pass
+            idle = [s for s in slots if s[0].task is None]
+            for s in idle:
+                with contextlib.suppress(OSError):
+                    s[0].conn.send(("stop",))
+                s[0].kill()
+                slots.remove(s)
+            if not slots:
+                break
+            now = time.monotonic()
+            wait_s = max(0.0, min(w.started + timeout - now for w, _ in slots))
+            mpc.wait([w.conn for w, _ in slots] + [w.proc.sentinel for w, _ in slots], timeout=wait_s)
+            for i, (w, queue) in enumerate(list(slots)):
+                for msg in w.messages():
+                    if msg[0] == "stage":
+                        w.last = msg[1]
+                    elif msg[0] == "done":
+                        point, entries = w.task
+                        w.task = None
+                        on_done(point, entries, msg[1], msg[2])
+                        if msg[3]:  # it ran out of memory: a fresh one takes its next point
+                            w.kill()
+                            slots[i] = (_start({**init, "poison": poison}), queue) if queue or pending else None
+                if w.task is None:
+                    continue
+                elapsed = time.monotonic() - w.started
+                if w.proc.is_alive() and elapsed <= timeout:
+                    continue
+                what = (f"timed out after {timeout:g} s" if w.proc.is_alive() else describe_exit(w.proc.exitcode))
+                w.kill()
+                point, entries = w.task
+                line = crash_line(what, point.label, w.last)
+                tries = reruns.get(point, 0)
+                if w.last is not None and tries < MAX_RERUNS:
+                    poison[w.last] = line
+                    reruns[point] = tries + 1
+                    queue.appendleft(w.task)
+                else:
+                    on_done(point, entries, _error_records(entries, line), elapsed)
+                slots[i] = (_start({**init, "poison": poison}), queue) if queue or pending else None
+            slots = [s for s in slots if s is not None]
+    finally:
+        for slot in slots:
+            if slot is not None:
+                slot[0].kill()
+
+
+# --------------------------------------------------------------------------- outside a worker
+
+_LOCAL: _Worker | None = None
+_LOCAL_POISON: dict[tuple[str, str], str] = {}
+
+
+def _local_init() -> dict:
+    precision = "highest"
+    if "jax" in sys.modules:
+        precision = sys.modules["jax"].config.jax_default_matmul_precision or "highest"
+    return {"precision": precision, "fixtures_dir": os.environ.get("CSA_PARITY_FIXTURES"), "sys_path": list(sys.path)}
+
+
+def _drop_local() -> None:
+    global _LOCAL
+    if _LOCAL is not None:
+        _LOCAL.kill()
+        _LOCAL = None
+
+
+def isolated(target: str, *args, label: str):
+    """`module:function(*args)` run in this process's worker (started on first use, kept for the
+    next call, replaced when it dies or runs past the time limit): how a plug-in runs outside
+    `csa-parity run`. Returns what it returns and raises what it raises; raises WorkerCrash
+    (one line, about the point `label`) when the worker died outside any call or the call
+    still died after MAX_RERUNS reruns with the calls it died in poisoned."""
+    global _LOCAL
+    limit = timeout_from_env()
+    for attempt in range(MAX_RERUNS + 1):
+        if _LOCAL is None:
+            _LOCAL = _start(_local_init())
+        w = _LOCAL
+        w.last, start = None, time.monotonic()
+        w.conn.send(("call", target, args, list(sys.path), dict(_LOCAL_POISON)))
+        while True:
+            left = start + limit - time.monotonic()
+            mpc.wait([w.conn, w.proc.sentinel], timeout=max(0.0, left))
+            for msg in w.messages():
+                if msg[0] == "stage":
+                    w.last = msg[1]
+                elif msg[0] in ("result", "raised"):
+                    if msg[2]:  # it ran out of memory: the next call starts a fresh one
+                        _drop_local()
+                    if msg[0] == "raised":
+                        raise msg[1]
+                    return msg[1]
+            if not w.proc.is_alive() or time.monotonic() - start > limit:
+                break
+        what = f"timed out after {limit:g} s" if w.proc.is_alive() else describe_exit(w.proc.exitcode)
+        last = w.last
+        _drop_local()
+        line = crash_line(what, label, last)
+        if last is None or attempt == MAX_RERUNS:
+            raise WorkerCrash(line)
+        _LOCAL_POISON[last] = line
+    raise AssertionError("unreachable")
