@@ -33,32 +33,40 @@ def teacher_inputs(inputs, cfg, dtype, wide) -> dict:
 
 
 def window_of_rows(window_kv, segment_ids, rows, n: int):
-    """What the sliding window of the query rows `rows` ([r] consecutive token indices) needs:
-    (slab [B, r + n - 1, D]: the window keys of rows rows[0] - n + 1 .. rows[-1], read with a
-    clamped gather, so nothing of [B, S, S] size is ever formed; ok [B, r, n] bool: offset t
-    of row i, token rows[i] - t, is in the window: not before the sequence, same document)."""
+    """What the sliding window of the query rows `rows` ([r] consecutive token indices) needs,
+    banded: the rows are cut into sub-blocks of c = min(n, r) rows, and sub-block j reads only
+    the c + n - 1 window-key rows that end at its last row. Returns (keys [B, nb, c + n - 1, D],
+    ok [B, r, c + n - 1] bool): row i's sub-block keys, and which of them are in its window (at
+    most n tokens back, itself included, not before the sequence, same document). Every read
+    is a clamped gather with a static index map: nothing of [B, S, S] size is formed, and the
+    logits (`window_logits`) are one contraction, not a loop."""
     r = rows.shape[0]
     seq_len = segment_ids.shape[1]
-    slab = jnp.take(window_kv, rows[0] - (n - 1) + jnp.arange(r + n - 1), axis=1, mode="clip")
-    key_rows = rows[:, None] - jnp.arange(n)[None, :]  # [r, n]
+    c = min(n, r)
+    nb = -(-r // c)
+    # Key row of (sub-block j, slot t): rows[0] - n + 1 + j * c + t.
+    first = rows[0] - (n - 1)
+    key_rows = first + jnp.arange(nb)[:, None] * c + jnp.arange(c + n - 1)[None, :]  # [nb, c + n - 1]
+    keys = jnp.take(window_kv, key_rows, axis=1, mode="clip")  # [B, nb, c + n - 1, D]
+    # Query row rho = j * c + i sees slot t when 0 <= i + n - 1 - t < n (t - i: how far back).
+    i = jnp.arange(nb * c) % c
+    back = i[:, None] + (n - 1) - jnp.arange(c + n - 1)[None, :]  # [nb * c, c + n - 1]
+    row_keys = jnp.repeat(key_rows, c, axis=0)  # [nb * c, c + n - 1]
     seg_q = jnp.take(segment_ids, rows, axis=1, mode="clip")  # [B, r]
-    seg_k = jnp.take(segment_ids, jnp.clip(key_rows, 0, seq_len - 1), axis=1)  # [B, r, n]
-    ok = (key_rows >= 0)[None] & (seg_k == seg_q[..., None])
-    return slab, ok
+    seg_k = jnp.take(segment_ids, jnp.clip(row_keys[:r], 0, seq_len - 1), axis=1)  # [B, r, c + n - 1]
+    ok = ((back[:r] >= 0) & (back[:r] < n) & (row_keys[:r] >= 0))[None] & (seg_k == seg_q[..., None])
+    return keys, ok
 
 
-def window_logits(tq, slab, ok):
-    """u [B, r, h, n]: each query row's logits against its n window tokens (MASK outside the
-    window). One offset per scan step: row i at offset t reads slab row i + n - 1 - t, so a
-    step holds [B, r, h] and the window is never gathered whole."""
-    r, n = tq.shape[1], ok.shape[-1]
-
-    def step(_, t):
-        kv_t = jax.lax.dynamic_slice_in_dim(slab, n - 1 - t, r, axis=1)  # [B, r, D]
-        return None, jnp.einsum("brhd,brd->brh", tq, kv_t)
-
-    _, u = jax.lax.scan(step, None, jnp.arange(n))  # [n, B, r, h]
-    return jnp.where(ok[:, :, None, :], jnp.moveaxis(u, 0, -1), MASK)
+def window_logits(tq, keys, ok):
+    """u [B, r, h, c + n - 1]: each query row's logits against its sub-block's window keys,
+    MASK outside its window. tq [B, r, h, D]; keys, ok from `window_of_rows`."""
+    b, r, h, d = tq.shape
+    nb, width = keys.shape[1], keys.shape[2]
+    c = -(-r // nb)
+    tq_blocks = jnp.pad(tq, ((0, 0), (0, nb * c - r), (0, 0), (0, 0))).reshape(b, nb, c, h, d)
+    u = jnp.einsum("bjihd,bjtd->bjiht", tq_blocks, keys).reshape(b, nb * c, h, width)[:, :r]
+    return jnp.where(ok[:, :, None, :], u, MASK)
 
 
 def _teacher_probs(tq, teacher_kv, additive_mask, sink=None, window=None):
@@ -67,7 +75,7 @@ def _teacher_probs(tq, teacher_kv, additive_mask, sink=None, window=None):
 
     `sink` None: the compressed teacher, a softmax over the blocks alone. Otherwise the joint
     teacher: ONE normaliser per head over its sink [h], its window logits (`window`: the
-    (slab, ok) of `window_of_rows`, or None without a window) and the blocks; each head's
+    (keys, ok) of `window_of_rows`, or None without a window) and the blocks; each head's
     block probabilities then sum to less than 1.
 
     SPEC section 8 replaces the logits of rows with no valid block by 0 before the

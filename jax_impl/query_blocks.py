@@ -141,7 +141,7 @@ def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
         return jnp.zeros((), wide)
     _, keys_wide, blocks = _setup(params, inputs, cfg, dtype_name)
     # The teacher inputs are rounded once, but teacher_query [B, S, H, D], only per block (the
-    # block's window reads its own r + n_win - 1 rows of teacher_window_kv: loss.window_of_rows).
+    # block's window reads only the window rows its own rows need: loss.window_of_rows).
     teacher = {n: jax.lax.stop_gradient(round_to(inputs[n], dtype).astype(wide))
                for n in teacher_input_names(cfg) if n != "teacher_query"}
     r = block_rows(cfg, seq_len)
