@@ -56,13 +56,13 @@ test: $(STAMP)
 	$(BIN)/python scripts/regenerate_fixtures.py --check
 	@side=$$(mktemp); \
 	{ $(BIN)/python -m pytest tests/test_random_configs.py tests/test_query_chunk.py tests/test_judge_mutations.py \
-		-n 0 --durations=10 && \
+		tests/test_isolation.py -n 0 --durations=10 && \
 	  $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; } >"$$side" 2>&1 & pid=$$!; \
 	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest -n $(XDIST) --durations=25 \
 		--ignore=tests/test_random_configs.py --ignore=tests/test_query_chunk.py \
-		--ignore=tests/test_judge_mutations.py; main=$$?; \
+		--ignore=tests/test_judge_mutations.py --ignore=tests/test_isolation.py; main=$$?; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: random configurations, query chunks, judge mutations, sharded slice (run beside the tests above)"; \
+	echo "=== make test: random configurations, query chunks, judge mutations, crash isolation, sharded slice (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 

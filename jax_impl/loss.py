@@ -36,8 +36,8 @@ def window_of_rows(window_kv, segment_ids, rows, n: int):
     """What the sliding window of the query rows `rows` ([r] consecutive token indices) needs,
     banded: the rows are cut into sub-blocks of c = min(n, r) rows, and sub-block j reads only
     the c + n - 1 window-key rows that end at its last row. Returns (keys [B, nb, c + n - 1, D],
-    ok [B, r, c + n - 1] bool): row i's sub-block keys, and which of them are in its window (at
-    most n tokens back, itself included, not before the sequence, same document). Every read
+    ok [B, r, c + n - 1] bool, c): row i's sub-block keys, which of them are in its window (at
+    most n tokens back, itself included, not before the sequence, same document), and c. Every read
     is a clamped gather with a static index map: nothing of [B, S, S] size is formed, and the
     logits (`window_logits`) are one contraction, not a loop."""
     r = rows.shape[0]
@@ -55,15 +55,14 @@ def window_of_rows(window_kv, segment_ids, rows, n: int):
     seg_q = jnp.take(segment_ids, rows, axis=1, mode="clip")  # [B, r]
     seg_k = jnp.take(segment_ids, jnp.clip(row_keys[:r], 0, seq_len - 1), axis=1)  # [B, r, c + n - 1]
     ok = ((back[:r] >= 0) & (back[:r] < n) & (row_keys[:r] >= 0))[None] & (seg_k == seg_q[..., None])
-    return keys, ok
+    return keys, ok, c
 
 
-def window_logits(tq, keys, ok):
+def window_logits(tq, keys, ok, c: int):
     """u [B, r, h, c + n - 1]: each query row's logits against its sub-block's window keys,
-    MASK outside its window. tq [B, r, h, D]; keys, ok from `window_of_rows`."""
+    MASK outside its window. tq [B, r, h, D]; keys, ok, c from `window_of_rows`."""
     b, r, h, d = tq.shape
     nb, width = keys.shape[1], keys.shape[2]
-    c = -(-r // nb)
     tq_blocks = jnp.pad(tq, ((0, 0), (0, nb * c - r), (0, 0), (0, 0))).reshape(b, nb, c, h, d)
     u = jnp.einsum("bjihd,bjtd->bjiht", tq_blocks, keys).reshape(b, nb * c, h, width)[:, :r]
     return jnp.where(ok[:, :, None, :], u, MASK)
@@ -75,7 +74,7 @@ def _teacher_probs(tq, teacher_kv, additive_mask, sink=None, window=None):
 
     `sink` None: the compressed teacher, a softmax over the blocks alone. Otherwise the joint
     teacher: ONE normaliser per head over its sink [h], its window logits (`window`: the
-    (keys, ok) of `window_of_rows`, or None without a window) and the blocks; each head's
+    (keys, ok, c) of `window_of_rows`, or None without a window) and the blocks; each head's
     block probabilities then sum to less than 1.
 
     SPEC section 8 replaces the logits of rows with no valid block by 0 before the
