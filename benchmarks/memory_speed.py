@@ -432,9 +432,9 @@ def window_sweep(seqs, r: int = WINDOW_R, batch: int = 1, log=None) -> list:
 def evaluate_window_bounds(rows) -> list:
     """The S = LONG_SEQ bound holds with the window in; anywhere the window adds at most what it
     must hold: the [B, S, D] float32 window keys twice (XLA:CPU carries them into the forward
-    and the backward query-block loop) and one block's slab [B, r + n_win - 1, D] and window
-    logits [B, r, c, n_win] (c = 1 here). Measured at S = 8192: 8,570,728 of 8,584,704 bytes;
-    at S >= 32768 nothing (XLA reuses buffers there)."""
+    and the backward query-block loop) and one block's window keys [B, r + n_win - 1, D] and
+    banded logits [B, r, 1, c + n_win - 1] (c = min(n_win, r) rows per sub-block, one head a
+    step here; jax_impl.loss.window_of_rows)."""
     out = []
     by = {(r["seq"], r["sliding_window"]): r for r in rows}
     for (seq, n_win), row in sorted(by.items()):
@@ -448,7 +448,8 @@ def evaluate_window_bounds(rows) -> list:
         if n_win and base:
             extra = max(row[m]["effective"] - base[m]["effective"] for m in ("dense", "sparse"))
             b, r, d = row["batch"], row["query_chunk"], ISSUE_SHAPES["head_dim"]
-            allowed = 4 * b * (2 * seq * d + (r + n_win - 1) * d + r * n_win)
+            c = min(n_win, r)
+            allowed = 4 * b * (2 * seq * d + -(-r // c) * (c + n_win - 1) * d + r * (c + n_win - 1))
             out.append({"name": f"S={seq}: the {n_win}-token window adds at most 2 x [B, S, D] + one block's "
                                 f"slab and logits (float32)",
                         "ok": extra <= allowed,
