@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .mutations import MutationError, apply_edits
+from .mutations import MutationError, apply_edits, select
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "harness"
@@ -474,19 +474,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
     ap.add_argument("--json", help="also write the outcomes to this file")
     args = ap.parse_args(argv)
-    chosen = list(CATALOGUE)
-    if args.only:
-        names = [n.strip() for n in args.only.split(",") if n.strip()]
-        known = {m.name: m for m in CATALOGUE}
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            print(f"harness.judge_mutations: error: unknown mutant(s) {unknown} (valid: {', '.join(known)})",
-                  file=sys.stderr)
-            return 2
-        chosen = [known[n] for n in names]
-    for m in chosen:  # a stale entry fails before anything runs
-        with tempfile.TemporaryDirectory() as tmp:
-            patch_copy(m, Path(tmp))
+    try:
+        chosen = select(CATALOGUE, args.only, patch_copy)
+    except MutationError as exc:
+        print(f"harness.judge_mutations: error: {exc}", file=sys.stderr)
+        return 2
     start = time.time()
     clean = None if args.no_clean else run_clean(chosen)
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

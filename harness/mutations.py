@@ -667,6 +667,24 @@ def _table(rows) -> str:
     return "\n".join(lines)
 
 
+def select(catalogue, only: str | None, patch) -> list:
+    """The mutants a command line asks for (`--only a,b`; None: all), each patched once into a
+    scratch copy with `patch(mutant, dir)` so that a stale entry fails before anything runs.
+    An unknown name is a MutationError naming the valid ones."""
+    chosen = list(catalogue)
+    if only:
+        names = [n.strip() for n in only.split(",") if n.strip()]
+        known = {m.name: m for m in catalogue}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise MutationError(f"unknown mutant(s) {unknown} (valid: {', '.join(known)})")
+        chosen = [known[n] for n in names]
+    for m in chosen:
+        with tempfile.TemporaryDirectory() as tmp:
+            patch(m, Path(tmp))
+    return chosen
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.mutations", description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated mutant names (default: all)")
@@ -675,19 +693,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the outcomes to this file")
     ap.add_argument("--method", choices=["forkserver", "subprocess"], help="default: forkserver where available")
     args = ap.parse_args(argv)
-    chosen = list(CATALOGUE)
-    if args.only:
-        names = [n.strip() for n in args.only.split(",") if n.strip()]
-        known = {m.name: m for m in CATALOGUE}
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            print(f"harness.mutations: error: unknown mutant(s) {unknown} (valid: {', '.join(known)})",
-                  file=sys.stderr)
-            return 2
-        chosen = [known[n] for n in names]
-    for m in chosen:  # a stale entry fails before anything runs
-        with tempfile.TemporaryDirectory() as tmp:
-            patch_copy(m, Path(tmp))
+    try:
+        chosen = select(CATALOGUE, args.only, patch_copy)
+    except MutationError as exc:
+        print(f"harness.mutations: error: {exc}", file=sys.stderr)
+        return 2
     start = time.time()
     outcomes: dict[str, Outcome] = {}
     with tempfile.TemporaryDirectory(prefix="mutation-xla-cache-") as cache, \
