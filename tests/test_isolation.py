@@ -110,12 +110,18 @@ def test_a_backward_that_raises_keeps_the_forward_verdict(tmp_path):
 # --------------------------------------------------------------------------- interrupted runs
 
 
+def _sigint_as_a_terminal_sends_it():
+    # A background job of a non-interactive shell (make test's side process is one) starts
+    # with SIGINT ignored, and its children inherit that: the CLI would never see the Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_hanging(tmp_path):
     marker = tmp_path / "hanging"
     out = tmp_path / "rep"
     proc = subprocess.Popen(_command(out, "hang", "--cases", "tiny,small", "--dtypes", "float32"), cwd=ROOT,
                             env=_env(CSA_TEST_HANG_MARKER=str(marker)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_as_a_terminal_sends_it)
     deadline = time.monotonic() + 300
     while not marker.exists():  # tiny has run; small hangs in its worker
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -128,7 +134,10 @@ def _start_hanging(tmp_path):
 def test_an_interrupted_run_writes_reports_that_say_they_are_partial(sig, code, reason, tmp_path):
     proc, out = _start_hanging(tmp_path)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=120)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # a CLI that ignored the signal must not outlive the test
     assert proc.returncode == code, stdout + stderr
     assert f"csa-parity: {reason} after 1 of 2 points" in stderr
     report = json.loads((out / "parity.json").read_text())
