@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--teachers", type=_csv(str),
                      help="joint,compressed: the loss's teacher (default: both; compressed on the cases "
                           "whose fixture holds its goldens)")
+    run.add_argument("--backends", type=_csv(str),
+                     help="xla,pallas: jax_impl's scoring backend (default: both for --impl jax, the pallas "
+                          "backend on its own sample; off TPU the Pallas kernels run in interpret mode)")
     run.add_argument("--sample", default="default", choices=list(SAMPLES),
                      help="which chunk points the matrix samples (harness/matrix.py): default, ci (the "
                      "subset `make test` runs) or full (the whole chunk cross product, slow)")
@@ -175,6 +178,8 @@ def platform_info(precision: str, reference: str) -> dict:
         "jax_version": jax.__version__,
         "matmul_precision": precision,
     }
+    if jax.default_backend() != "tpu":  # what a pallas-backend point ran (jax_impl.kernels.interpret_mode)
+        info["pallas"] = f"Pallas interpret mode on {jax.default_backend()} (no TPU: the kernels are interpreted)"
     if reference == "live":
         import torch
 
@@ -204,7 +209,7 @@ CHECKPOINT_S = 30.0  # how often a running CLI rewrites its partial report (pari
 
 def _sorted(records: list[dict]) -> list[dict]:
     return sorted(records, key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["tchunk"], r["qchunk"], r["teacher"],
-                                          r["mode"], r["quantity"], r["check"]))
+                                          r.get("backend", "xla"), r["mode"], r["quantity"], r["check"]))
 
 
 def run(args) -> int:
@@ -214,7 +219,8 @@ def run(args) -> int:
 
     _validate_run_args(args)
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
-                           sample="full" if args.full else args.sample, teachers=args.teachers)
+                           sample="full" if args.full else args.sample, teachers=args.teachers,
+                           backends=args.backends)
     entries = _stage_entries(entries, args.impl)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
@@ -236,7 +242,7 @@ def run(args) -> int:
         "tolerance_profile": args.precision,
         "platform": platform_info(args.precision, args.reference),
         "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes", "teachers",
-                                                    "full", "sample")},
+                                                    "backends", "full", "sample")},
         "timeout_s": timeout,
     }
 

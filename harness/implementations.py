@@ -85,12 +85,14 @@ class Problem:
 
 def run_config(problem_config: Mapping[str, Any], point: Point, sparse: bool) -> dict[str, Any]:
     """The problem's config plus the point's knobs (plain dict, for any side's from_dict).
-    `query_chunk` is passed only when set, so a plug-in that predates it still runs every
-    point without query chunks."""
+    `query_chunk` and `scoring_backend` are passed only when set, so a plug-in that predates
+    them still runs every point without them."""
     cfg = {**problem_config, "indexer_head_chunk": point.ichunk, "loss_head_chunk": point.tchunk,
            "sparse_loss": sparse, "teacher_normaliser": point.teacher}
     if point.qchunk:
         cfg["query_chunk"] = point.qchunk
+    if point.backend != "xla":
+        cfg["scoring_backend"] = point.backend
     return cfg
 
 

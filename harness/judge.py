@@ -17,6 +17,8 @@ For an entry (case, dtype t, chunks, mode, quantity) of implementation X:
   chunk      X@t chunked (head chunks, query chunks) vs X@t native (a sharded point: vs the
              same knobs on one device):
              the tight CHUNK bound, whenever `references.native` is given.
+  xla        a point of the Pallas scoring backend vs the XLA path at the same knobs (in
+             place of `chunk`; also xla@sel, xla-topk): the tight BACKEND bound.
   topk       sets per query vs the oracle's, boundary ties excused within the score bound.
   isolation  d loss / d inputs exactly 0.
 Sparse mode depends on a discrete selection, so every sparse quantity is judged twice:
@@ -62,6 +64,15 @@ def score_tolerance(oracle_scores, scores_at_dtype, dtype: str, policy: Policy =
     return bound * (finite.max(axis=-1) if oracle_scores.shape[-1] else np.zeros(oracle_scores.shape[:-1]))
 
 
+def _native_rule(point, policy: Policy):
+    """(check name, bound function) of the comparison with `references.native`: `chunk` (a
+    chunked or sharded point against its native run, the CHUNK bound), or `xla` (a point of
+    another scoring backend against the XLA path at the same knobs, the BACKEND bound)."""
+    if getattr(point, "backend", "xla") != "xla":
+        return "xla", policy.backend_bound
+    return "chunk", policy.chunk
+
+
 def _missing(outputs: Outputs, names, check: str, quantity: str) -> CheckResult | None:
     """A not_provided result if the candidate lacks any of `names`."""
     for name in names:
@@ -98,14 +109,15 @@ def _forward(entry, outputs: Outputs, refs: References, policy: Policy) -> list[
     miss = _missing(outputs, [q], "topk" if q == "topk_indices" else "oracle", q)
     if miss:
         return [miss]
+    versus, bound = _native_rule(p, policy)
     if q == "topk_indices":
         out = [_topk(outputs, refs, p.dtype, policy)]
         if refs.native is not None:
-            out.append(_topk(outputs, refs, p.dtype, policy, check="chunk-topk", against=refs.native))
+            out.append(_topk(outputs, refs, p.dtype, policy, check=f"{versus}-topk", against=refs.native))
         return out
     out = [_versus_oracle(q, q, outputs[q], refs, q, q, p.dtype, policy)]
     if refs.native is not None:
-        out.append(compare_close("chunk", q, outputs[q], refs.native[q], policy.chunk(p.dtype, q), _scale(q)))
+        out.append(compare_close(versus, q, outputs[q], refs.native[q], bound(p.dtype, q), _scale(q)))
     return out
 
 
@@ -125,14 +137,16 @@ def _dense(entry, outputs: Outputs, refs: References, policy: Policy) -> list[Ch
         return [miss]
     out = [_versus_oracle(q, name, outputs[name], refs, name, name, p.dtype, policy)]
     if refs.native is not None:
-        out.append(compare_close("chunk", q, outputs[name], refs.native[name], policy.chunk(p.dtype, name)))
+        versus, bound = _native_rule(p, policy)
+        out.append(compare_close(versus, q, outputs[name], refs.native[name], bound(p.dtype, name)))
     return out
 
 
 def _sparse(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
     p, q = entry.point, entry.quantity
     own, at_sel = output_name(q, "sparse"), output_name(q, "sparse_at_oracle")
-    bound = policy.chunk(p.dtype, own)
+    versus, rule = _native_rule(p, policy)
+    bound = rule(p.dtype, own)
     out = []
     # 1. on the oracle's selection: the numbers, whatever the candidate picks. The oracle's
     #    value is its own sparse run (its selection is the selection).
@@ -142,7 +156,7 @@ def _sparse(entry, outputs: Outputs, refs: References, policy: Policy) -> list[C
     else:
         out.append(_versus_oracle(q, at_sel, outputs[at_sel], refs, own, at_sel, p.dtype, policy, sel=True))
         if refs.native is not None:
-            out.append(compare_close("chunk@sel", q, outputs[at_sel], refs.native[at_sel], bound))
+            out.append(compare_close(f"{versus}@sel", q, outputs[at_sel], refs.native[at_sel], bound))
     # 2. end to end on the candidate's own selection, when it is the oracle's.
     miss = _missing(outputs, [own, "topk_indices"], "oracle", q)
     if miss:
@@ -160,11 +174,11 @@ def _sparse(entry, outputs: Outputs, refs: References, policy: Policy) -> list[C
     if refs.native is not None:
         native = refs.native
         if np.array_equal(np.sort(native["topk_indices"], -1), np.sort(outputs["topk_indices"], -1)):
-            out.append(compare_close("chunk", q, outputs[own], native[own], bound))
+            out.append(compare_close(versus, q, outputs[own], native[own], bound))
         else:
-            out.append(status_result("chunk", q, EXCUSED,
-                                     "end-to-end not comparable: chunked and native select differently "
-                                     "(judged by chunk-topk and chunk@sel)"))
+            out.append(status_result(versus, q, EXCUSED,
+                                     "end-to-end not comparable: " + ("chunked and native" if versus == "chunk" else "Pallas and XLA")
+                                     + f" select differently (judged by {versus}-topk and {versus}@sel)"))
     return out
 
 

@@ -85,6 +85,9 @@ class Point:
     mesh: tuple[int, int] | None = None
     # The teacher of the loss (SPEC section 8): "joint" (DeepSeek-V4's attention) or "compressed".
     teacher: str = "joint"
+    # jax_impl's scoring code (config `scoring_backend`): "xla", or "pallas" (the Pallas kernels;
+    # interpret mode off TPU). Only the JAX implementation reads it (BACKEND_SAMPLE).
+    backend: str = "xla"
 
     @property
     def chunked(self) -> bool:
@@ -97,6 +100,8 @@ class Point:
         problem with no chunking at all; a native single-device point, nothing."""
         if self.mesh is not None:
             return dataclasses.replace(self, mesh=None)
+        if self.backend != "xla":  # the kernel against the XLA path at the same knobs
+            return dataclasses.replace(self, backend="xla")
         return dataclasses.replace(self, ichunk=0, tchunk=0, qchunk=0) if self.chunked else None
 
     @property
@@ -104,22 +109,25 @@ class Point:
         q = f" qchunk={self.qchunk}" if self.qchunk else ""
         mesh = f" mesh={self.mesh[0]}x{self.mesh[1]}" if self.mesh else ""
         teacher = f" teacher={self.teacher}" if self.teacher != "joint" else ""
-        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q}{mesh}{teacher}"
+        backend = f" backend={self.backend}" if self.backend != "xla" else ""
+        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q}{mesh}{teacher}{backend}"
 
     def spec(self) -> str:
-        """`case:dtype:ichunk:tchunk[:qchunk[:teacher]]` (a command-line form; see `parse`)."""
-        tail = [str(self.qchunk)] if self.qchunk or self.teacher != "joint" else []
-        tail += [self.teacher] if self.teacher != "joint" else []
+        """`case:dtype:ichunk:tchunk[:qchunk[:teacher[:backend]]]` (a command-line form; see `parse`)."""
+        pallas = self.backend != "xla"
+        tail = [str(self.qchunk)] if self.qchunk or self.teacher != "joint" or pallas else []
+        tail += [self.teacher] if self.teacher != "joint" or pallas else []
+        tail += [self.backend] if pallas else []
         return ":".join([self.case, self.dtype, str(self.ichunk), str(self.tchunk), *tail])
 
     @classmethod
     def parse(cls, text: str) -> "Point":
         fields = text.split(":")
-        if len(fields) not in (4, 5, 6):
-            raise ValueError(f"point {text!r} must be case:dtype:ichunk:tchunk[:qchunk[:teacher]]")
+        if len(fields) not in (4, 5, 6, 7):
+            raise ValueError(f"point {text!r} must be case:dtype:ichunk:tchunk[:qchunk[:teacher[:backend]]]")
         case, dtype, ichunk, tchunk, *rest = fields
         return cls(case, dtype, int(ichunk), int(tchunk), int(rest[0]) if rest else 0,
-                   teacher=rest[1] if len(rest) > 1 else "joint")
+                   teacher=rest[1] if len(rest) > 1 else "joint", backend=rest[2] if len(rest) > 2 else "xla")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -139,7 +147,8 @@ class Entry:
         q = f"-qchunk{p.qchunk}" if p.qchunk else ""
         mesh = f"-mesh{p.mesh[0]}x{p.mesh[1]}" if p.mesh else ""
         teacher = f"-{p.teacher}" if p.teacher != "joint" else ""
-        return (f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}{mesh}{teacher}-{self.mode}-"
+        backend = f"-{p.backend}" if p.backend != "xla" else ""
+        return (f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}{mesh}{teacher}{backend}-{self.mode}-"
                 f"{self.quantity}")
 
     @property
@@ -264,6 +273,37 @@ def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tu
     return points
 
 
+# The Pallas scoring backend's sample (config `scoring_backend`; Point.backend): the points it
+# runs, each judged against the oracle like any point and against the XLA path at the same
+# knobs (the `xla` check, harness.tolerance.BACKEND). Interpret mode off TPU costs a compiled
+# program of ~10 s per point on 2 cores, so the axis is sampled apart from the chunk knobs:
+# default: every case natively in one dtype (DTYPES rotated over the catalogue), the sweep
+#   cases natively in every dtype and at their combined chunk point in float32 and bfloat16,
+#   and the ci sample's points;
+# ci: the narrow (bfloat16) native point of `small`, and tiny's combined chunk point (both head
+#   chunks and the non-dividing query chunk: the kernel inside the two scans) in float64.
+# full: the joint teacher's chunk points of the default sample, on the pallas backend too.
+BACKENDS = ("xla", "pallas")
+PALLAS_CI = {("small", "bfloat16"): "native", ("tiny", "float64"): "combined"}
+
+
+def pallas_points(case: str, dtype: str, sample: str = "default") -> list[tuple[int, int, int]]:
+    """The (indexer chunk, teacher chunk, query chunk) triples run on the pallas backend (joint
+    teacher) for a case and dtype in a sample (see BACKENDS)."""
+    combined = (*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1])
+    if sample == "full":
+        return chunk_points(case, dtype, "default")
+    if sample == "ci":
+        kind = PALLAS_CI.get((case, dtype))
+        return [] if kind is None else [(0, 0, 0) if kind == "native" else combined]
+    points = pallas_points(case, dtype, "ci")  # default holds ci
+    if case in SWEEP_CASES or dtype == DTYPES[list(CASES).index(case) % len(DTYPES)]:
+        points.append((0, 0, 0))
+    if case in SWEEP_CASES and dtype in ("float32", "bfloat16"):
+        points.append(combined)
+    return sorted(set(points))
+
+
 def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
     """Every entry of one point (forward quantities only at teacher chunk 0 and with the joint
     teacher: they do not depend on the teacher)."""
@@ -280,14 +320,29 @@ def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
 
 
 def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None,
-                 impl: str = "jax", qchunks=None, sample: str = "default", teachers=None) -> list[Entry]:
+                 impl: str = "jax", qchunks=None, sample: str = "default", teachers=None,
+                 backends=None) -> list[Entry]:
     """All entries. None = the sample's choice (`sample`: ci, default or full); explicit
     `ichunks` / `tchunks` / `qchunks` replace the sampled chunk points of every case by their
     cross product (a missing one counts as [0]). `teachers` (default: both) picks the teachers;
-    the compressed one runs only on the cases that hold its goldens."""
+    the compressed one runs only on the cases that hold its goldens. `backends` (default: both
+    for the JAX implementation, xla for any other) picks the scoring backends; pallas runs its
+    own sample (`pallas_points`) unless chunks are given explicitly."""
     for t in teachers or ():
         if t not in TEACHERS:
             raise ValueError(f"teacher={t!r} is not supported (valid: {', '.join(TEACHERS)})")
+    for b in backends or ():
+        if b not in BACKENDS:
+            raise ValueError(f"backend={b!r} is not supported (valid: {', '.join(BACKENDS)})")
+    entries = [] if "pallas" not in (backends or (BACKENDS if impl == "jax" else ())) else [
+        e for e in _build(cases, dtypes, ichunks, tchunks, modes, impl, qchunks, sample, ("joint",), "pallas")
+        if "joint" in (teachers or TEACHERS)]
+    if backends is None or "xla" in backends:
+        entries = _build(cases, dtypes, ichunks, tchunks, modes, impl, qchunks, sample, teachers, "xla") + entries
+    return entries
+
+
+def _build(cases, dtypes, ichunks, tchunks, modes, impl, qchunks, sample, teachers, backend) -> list[Entry]:
     entries = []
     for case in cases or CASES:
         for dtype in dtypes or DTYPES:
@@ -296,11 +351,13 @@ def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None
                     continue
                 if ichunks is not None or tchunks is not None or qchunks is not None:
                     points = [(i, t, q) for i in (ichunks or [0]) for t in (tchunks or [0]) for q in (qchunks or [0])]
+                elif backend == "pallas":
+                    points = pallas_points(case, dtype, sample)
                 elif teacher == "joint":
                     points = chunk_points(case, dtype, sample)
                 else:
                     points = compressed_points(case, dtype, sample)
                 for ichunk, tchunk, qchunk in points:
-                    point = Point(case, dtype, ichunk, tchunk, qchunk, teacher=teacher)
+                    point = Point(case, dtype, ichunk, tchunk, qchunk, teacher=teacher, backend=backend)
                     entries.extend(entries_at(point, modes, impl))
     return entries

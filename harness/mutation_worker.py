@@ -3,7 +3,7 @@
 JSON report.
 
     python -m harness.mutation_worker --impl-root DIR [--point case:dtype:ichunk:tchunk ...]
-                                      [--problem PINNED_NAME ...] [--memory]
+                                      [--problem PINNED_NAME ...] [--memory] [--kernel]
 
 (`run()` is the same in a function: harness.mutations calls it in a child forked from a
 server that has already imported jax, which saves ~2 s of imports per mutant.)
@@ -107,7 +107,7 @@ class ForeignImport(RuntimeError):
 
 
 def run(impl_root: str, points=(), memory: bool = False, reference: str = "goldens",
-        cache_dir: str | None = None, problems=()) -> dict:
+        cache_dir: str | None = None, problems=(), kernel: bool = False) -> dict:
     """Import jax_impl from impl_root, run the slice, return the report (see the module doc).
 
     Must run in a process that has not imported jax_impl yet (a fresh interpreter, or a
@@ -163,6 +163,17 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
             error = f"problem {name}: {type(exc).__name__}: {exc}"
             failed.append({"check": "crash", "quantity": "-", "context": f"problem {name}", "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
+    if kernel:  # the Pallas kernels against the XLA path, partial tiles (harness.kernel_check)
+        try:
+            from harness.kernel_check import kernel_check
+
+            results = kernel_check()
+            checks += len(results)
+            failed.extend(_failure(r) for r in results if r.failed)
+        except Exception as exc:
+            error = f"kernel: {type(exc).__name__}: {exc}"
+            failed.append({"check": "crash", "quantity": "-", "context": "kernel", "message": error,
+                           "traceback": traceback.format_exc(limit=-4)})
     if memory:
         try:
             r = memory_check()
@@ -205,11 +216,13 @@ def main(argv=None) -> int:
     ap.add_argument("--problem", action="append", default=[],
                     help="a pinned random problem of harness.random_configs (repeatable; live torch)")
     ap.add_argument("--memory", action="store_true", help="run the compile-only memory check")
+    ap.add_argument("--kernel", action="store_true", help="run the Pallas kernel check (harness.kernel_check)")
     ap.add_argument("--reference", default="goldens", choices=["goldens", "live"])
     ap.add_argument("--cache-dir", help="JAX persistent compilation cache shared by workers (optional)")
     args = ap.parse_args(argv)
     try:
-        report = run(args.impl_root, args.point, args.memory, args.reference, args.cache_dir, args.problem)
+        report = run(args.impl_root, args.point, args.memory, args.reference, args.cache_dir, args.problem,
+                     args.kernel)
     except ForeignImport as exc:
         print(f"mutation worker: {exc}", file=sys.stderr)
         return 3

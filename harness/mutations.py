@@ -104,6 +104,9 @@ class Mutant:
     problems: tuple[str, ...] = ()
     # The test of the suite that kills it (the matrix slice above is that test's subset).
     killing_test: str = "tests/test_parity_matrix.py"
+    # Run the `kernel` check (harness.kernel_check: the Pallas kernels against the XLA path on
+    # problems with partial tiles, interpret mode) as well.
+    kernel: bool = False
 
     @property
     def edits(self) -> tuple[tuple[str, str], ...]:
@@ -252,8 +255,8 @@ CATALOGUE: tuple[Mutant, ...] = (
         "        acc0 = jnp.zeros_like(hw[..., :1] * keys_wide[:, None, :, 0], dtype=keys.dtype)",
         ("chunk",), (SMALL_BF16_ICHUNK,),
         "the chunked scores accumulated in the compute dtype (bfloat16), not the wide dtype",
-        more=(("            return acc + _head_contribution(q.astype(wide), keys_wide, hw_c), None",
-               "            return (acc + _head_contribution(q.astype(wide), keys_wide, hw_c)).astype(acc.dtype), None"),),
+        more=(("            return acc + _head_contribution(widen(q), keys_wide, hw_c), None",
+               "            return (acc + _head_contribution(widen(q), keys_wide, hw_c)).astype(acc.dtype), None"),),
     ),
     Mutant(
         "chunk_scan_without_checkpoint", "chunking", "scoring.py",
@@ -479,6 +482,58 @@ CATALOGUE: tuple[Mutant, ...] = (
         problems=("m1_single_head",),
         killing_test="tests/test_random_configs.py::test_pinned_problem[m1_single_head]",
     ),
+    # ------------------------------------------------- the Pallas scoring kernels (jax_impl/kernels)
+    # Killed by the `kernel` check (harness.kernel_check: float64 with partial square tiles, where
+    # interpret mode reads NaN past the end, and bfloat16 inputs), run by tests/test_pallas.py.
+    Mutant(
+        "kernel_tile_edge_off_by_one", "scoring", "kernels/scores.py",
+        "    row_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0) < seq_len\n",
+        "    row_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0) < seq_len - 1\n",
+        ("kernel",), (), "dK kernel: the last query row's edge off by one (row S-1 masked as if past the end)",
+        kernel=True, killing_test="tests/test_pallas.py",
+    ),
+    Mutant(
+        "kernel_partial_tile_unmasked", "scoring", "kernels/scores.py",
+        "    k = jnp.where(block < num_blocks, k_ref[...], 0)\n"
+        "    g = jnp.where(block.reshape(1, key_tile) < num_blocks, g_ref[...], 0)\n",
+        "    k = k_ref[...]\n"
+        "    g = g_ref[...]\n",
+        ("kernel",), (), "dq/dw kernel: the last, partial key tile not masked: the blocks past W (garbage "
+        "on TPU, NaN in interpret mode) enter the sums over key blocks",
+        kernel=True, killing_test="tests/test_pallas.py",
+    ),
+    Mutant(
+        "kernel_head_loop_bound", "scoring", "kernels/scores.py",
+        "    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(heads), body, init)\n",
+        "    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(heads - 1), body, init)\n",
+        ("kernel",), (), "every kernel's head loop stops one head short: the last head never contributes",
+        kernel=True, killing_test="tests/test_pallas.py",
+    ),
+    Mutant(
+        "kernel_accumulate_input_dtype", "scoring", "kernels/scores.py",
+        "    o_ref[...] = _over_heads(heads, head, jnp.zeros(o_ref.shape, wide))\n",
+        "    o_ref[...] = _over_heads(heads, head, jnp.zeros(o_ref.shape, q_ref.dtype)).astype(wide)\n",
+        ("kernel",), (), "forward kernel: the head sum accumulated in the input dtype (bfloat16 for "
+        "bfloat16 q), not float32",
+        more=(("        return acc + _head_column(w, h) * jnp.maximum(logits, 0)\n",
+               "        return (acc + _head_column(w, h) * jnp.maximum(logits, 0)).astype(acc.dtype)\n"),),
+        kernel=True, killing_test="tests/test_pallas.py",
+    ),
+    Mutant(
+        "kernel_dk_tile_transposed", "scoring", "kernels/scores.py",
+        "        return acc + _dot(p.T, q, ((1,), (0,)), wide)  # [tw, DI]\n",
+        "        return acc + _dot(p, q, ((1,), (0,)), wide)  # [tw, DI]\n",
+        ("kernel",), (), "dK kernel: the [ts, tw] tile of d logits used untransposed (the shapes agree "
+        "when the tiles are square)",
+        kernel=True, killing_test="tests/test_pallas.py",
+    ),
+    Mutant(
+        "kernel_dq_missing_head_weight", "scoring", "kernels/scores.py",
+        "        dq_ref[h] += _head_column(w, h) * mk\n",
+        "        dq_ref[h] += mk\n",
+        ("kernel",), (), "dq kernel: the head weight w[b,s,h] left out of dq",
+        kernel=True, killing_test="tests/test_pallas.py",
+    ),
 )
 
 
@@ -542,7 +597,8 @@ def default_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "subprocess"
 
 
-def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=()) -> dict:
+def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=(),
+                kernel: bool = False) -> dict:
     import multiprocessing
 
     from harness.mutation_worker import forked
@@ -551,7 +607,7 @@ def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float
     ctx.set_forkserver_preload(list(PRELOAD))  # used when the server starts (first call)
     parent, child = ctx.Pipe(duplex=False)
     kwargs = dict(impl_root=str(impl_root), points=[p.spec() for p in points], memory=memory,
-                  cache_dir=str(cache_dir) if cache_dir else None, problems=list(problems))
+                  cache_dir=str(cache_dir) if cache_dir else None, problems=list(problems), kernel=kernel)
     proc = ctx.Process(target=forked, args=(child, kwargs), daemon=True)
     proc.start()
     child.close()
@@ -584,7 +640,8 @@ def stop_forkserver() -> None:
         stop()
 
 
-def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=()) -> dict:
+def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=(),
+                    kernel: bool = False) -> dict:
     cmd = [sys.executable, "-m", "harness.mutation_worker", "--impl-root", str(impl_root)]
     for p in points:
         cmd += ["--point", p.spec()]
@@ -592,6 +649,8 @@ def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: f
         cmd += ["--problem", name]
     if memory:
         cmd.append("--memory")
+    if kernel:
+        cmd.append("--kernel")
     if cache_dir:
         cmd += ["--cache-dir", str(cache_dir)]
     env = dict(os.environ, JAX_ENABLE_X64="1")
@@ -604,15 +663,16 @@ def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: f
 
 
 def run_worker(impl_root: Path, points, memory: bool, cache_dir: str | os.PathLike | None = None,
-               timeout: float = 600.0, method: str | None = None, problems: tuple[str, ...] = ()) -> dict:
+               timeout: float = 600.0, method: str | None = None, problems: tuple[str, ...] = (),
+               kernel: bool = False) -> dict:
     """Run the worker (harness/mutation_worker.py) on the jax_impl copy under impl_root in a
     process of its own; its report. `cache_dir`: a JAX persistent compilation cache shared
     by the workers of one run. `method`: `forkserver` or `subprocess` (default_method())."""
     method = method or default_method()
     if method == "forkserver":
-        report = _run_forked(Path(impl_root), points, memory, cache_dir, timeout, problems)
+        report = _run_forked(Path(impl_root), points, memory, cache_dir, timeout, problems, kernel)
     elif method == "subprocess":
-        report = _run_subprocess(Path(impl_root), points, memory, cache_dir, timeout, problems)
+        report = _run_subprocess(Path(impl_root), points, memory, cache_dir, timeout, problems, kernel)
     else:
         raise ValueError(f"method={method!r} is not supported (valid: forkserver, subprocess)")
     imported = os.path.realpath(report["jax_impl_file"])
@@ -634,7 +694,7 @@ def run_mutant(mutant: Mutant, cache_dir=None, method: str | None = None) -> Out
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         patch_copy(mutant, Path(tmp))
         report = run_worker(Path(tmp), mutant.points, mutant.memory, cache_dir, method=method,
-                            problems=mutant.problems)
+                            problems=mutant.problems, kernel=mutant.kernel)
     return _outcome(mutant.name, report, time.time() - start)
 
 
@@ -650,12 +710,13 @@ def problem_slices(catalogue=CATALOGUE) -> tuple[str, ...]:
 
 
 def run_clean(points, memory: bool, cache_dir=None, method: str | None = None,
-              problems: tuple[str, ...] = ()) -> Outcome:
+              problems: tuple[str, ...] = (), kernel: bool = False) -> Outcome:
     """The same machinery on an unmutated copy: must pass."""
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="mutant-clean-") as tmp:
         patch_copy(None, Path(tmp))
-        report = run_worker(Path(tmp), points, memory, cache_dir, method=method, problems=problems)
+        report = run_worker(Path(tmp), points, memory, cache_dir, method=method, problems=problems,
+                            kernel=kernel)
     return _outcome("clean", report, time.time() - start)
 
 
@@ -706,7 +767,7 @@ def main(argv=None) -> int:
         if not args.no_clean:  # first: it compiles the programs most mutants leave unchanged
             points, memory = slices(chosen)
             futures[pool.submit(run_clean, points, memory, cache, args.method,
-                                problem_slices(chosen))] = "clean"
+                                problem_slices(chosen), any(m.kernel for m in chosen))] = "clean"
         futures.update({pool.submit(run_mutant, m, cache, args.method): m.name for m in chosen})
         for fut in cf.as_completed(futures):
             outcomes[futures[fut]] = fut.result()

@@ -42,6 +42,7 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "qchunk": p.qchunk,
         "mesh": list(p.mesh) if p.mesh else None,
         "teacher": p.teacher,
+        "backend": p.backend,
         "mode": entry.mode,
         "impl": entry.impl,
         "quantity": entry.quantity,
@@ -110,7 +111,8 @@ def headroom(records: list[dict]) -> dict:
 def point_label(rec: dict) -> str:
     """The label of a record's point (harness.matrix.Point.label)."""
     return Point(rec["case"], rec["dtype"], rec["ichunk"], rec["tchunk"], rec.get("qchunk", 0),
-                 tuple(rec["mesh"]) if rec.get("mesh") else None, rec.get("teacher", "joint")).label
+                 tuple(rec["mesh"]) if rec.get("mesh") else None, rec.get("teacher", "joint"),
+                 rec.get("backend", "xla")).label
 
 
 def errors_by(records: list[dict]) -> tuple[dict, dict]:
@@ -278,7 +280,8 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         "",
         f"- implementation: `{meta.get('impl')}`; reference: `{meta.get('reference')}`; "
         f"platform: {meta.get('platform', {}).get('backend')} ({meta.get('platform', {}).get('device_kind')}); "
-        f"matmul precision: {meta.get('platform', {}).get('matmul_precision')}",
+        f"matmul precision: {meta.get('platform', {}).get('matmul_precision')}"
+        + (f"; Pallas kernels: {meta['platform']['pallas']}" if meta.get("platform", {}).get("pallas") else ""),
         f"- {summary['entries']} matrix entries, {summary['checks']} checks: {status_line(summary)}; "
         f"wall time {meta.get('wall_s', 0):.1f} s",
         f"- top-k: {summary['topk_excused_ties']} set differences excused as boundary ties, "

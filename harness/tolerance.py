@@ -168,6 +168,22 @@ def chunk_bound(dtype: str, quantity: str) -> float:
     return CHUNK[dtype][numeric_kind(quantity)]
 
 
+# --- The Pallas scoring backend vs the XLA path, same dtype and knobs (the `xla` check).
+# Same math, other summation order: the kernel sums a head's logits over DI in its own tile
+# order and the heads one by one into a float32 (float64) tile, where XLA contracts the
+# [.., c, W] logits its way; the backward accumulates dq and dK over tiles.
+BACKEND = CHUNK
+
+
+# The `kernel` check (harness.kernel_check): the kernels' forward fed bfloat16 q and K against
+# the XLA contribution of the same values widened to float32.
+KERNEL_BF16_FORWARD = 1.0
+
+
+def backend_bound(dtype: str, quantity: str) -> float:
+    return BACKEND[dtype][numeric_kind(quantity)]
+
+
 # --- Top-k: a pick that differs from the reference's is excused only when it and the
 # pick it replaced both score within the forward bound of the reference's k-th score
 # (harness.judge.score_tolerance; the rule itself is harness.compare.topk_sets, the only
@@ -245,6 +261,9 @@ class Policy:
 
     def chunk(self, dtype: str, quantity: str) -> float:
         return chunk_bound(dtype, quantity)
+
+    def backend_bound(self, dtype: str, quantity: str) -> float:
+        return backend_bound(dtype, quantity)
 
     @property
     def exact64(self) -> float:

@@ -18,6 +18,9 @@ import jax.numpy as jnp
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 TEACHER_NORMALISERS = ("joint", "compressed")
+# How the scores are computed (jax_impl.scoring.raw_scores): XLA einsums, or the Pallas kernels
+# of jax_impl.kernels (Mosaic on TPU, interpret mode elsewhere). Not part of the math.
+SCORING_BACKENDS = ("xla", "pallas")
 ROPE_SCALING_KEYS = ("type", "factor", "original_max_position", "beta_fast", "beta_slow")
 
 _POSITIVE_INTS = (
@@ -65,6 +68,7 @@ class CSAConfig:
     sliding_window: int = 0
     teacher_normaliser: str = "joint"
     rope_scaling: "YarnScaling | Mapping[str, Any] | None" = None
+    scoring_backend: str = "xla"
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS[:4]:
@@ -104,6 +108,9 @@ class CSAConfig:
                              f"(valid: {', '.join(TEACHER_NORMALISERS)})")
         # A frozen, hashable value (the config is a static argument of jax.jit).
         object.__setattr__(self, "rope_scaling", YarnScaling.of(self.rope_scaling))
+        if self.scoring_backend not in SCORING_BACKENDS:
+            raise ValueError(f"scoring_backend={self.scoring_backend!r} is not supported "
+                             f"(valid: {', '.join(SCORING_BACKENDS)})")
 
     # -- derived sizes -------------------------------------------------
     def num_blocks(self, seq_len: int) -> int:

@@ -2,6 +2,10 @@
 
 score[b,s,j] = sum_h w[b,s,h] * relu(q[b,s,h] . K[b,j]) * DI**-0.5
 
+`cfg.scoring_backend = "pallas"` replaces the per-chunk head sum by the Pallas kernels of
+jax_impl.kernels (forward and backward tiled over query rows and key blocks); everything
+around it is shared.
+
 The native path materialises the [B, S, HI, W] logits at once. The chunked
 path walks the heads with `jax.lax.scan`, `indexer_head_chunk` heads a step,
 adding each chunk's [B, S, W] contribution into a wide-dtype accumulator. The
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .pooling import block_positions
+from .kernels import contribution as pallas_contribution
 from .precision import project
 from .rope import apply_rope
 
@@ -111,14 +116,23 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
 
     q_latent, wq_b and keys are in the compute dtype; hw [B, S, HI] is wide. `vjp`:
     "custom" (the hand-written backward, always in the library) or "autodiff" (plain JAX
-    autodiff of the same forward: the tests' yardstick for the custom VJP).
+    autodiff of the same forward: the tests' yardstick for the custom VJP). Under
+    `cfg.scoring_backend == "pallas"` each head chunk's sum is the Pallas kernels' instead,
+    fed q and K in the compute dtype (the kernels widen them tile by tile, exactly as
+    `.astype(wide)` does here); the head and query chunking around it are the same.
     """
-    _head_contribution = CONTRIBUTIONS[vjp]  # noqa: F811 (the per-call choice of the module's function)
     heads, di, chunk = cfg.index_n_heads, cfg.index_head_dim, cfg.indexer_head_chunk
-    keys_wide = keys.astype(wide)
+    if cfg.scoring_backend == "pallas":
+        _head_contribution, keys_wide, widen = pallas_contribution, keys, (lambda a: a)
+    else:
+        _head_contribution, keys_wide = CONTRIBUTIONS[vjp], keys.astype(wide)  # noqa: F811
+
+        def widen(a):
+            return a.astype(wide)
+
     if chunk == 0:
         q = queries(q_latent, wq_b, position_ids, heads, cfg, wide)
-        acc = _head_contribution(q.astype(wide), keys_wide, hw)
+        acc = _head_contribution(widen(q), keys_wide, hw)
     else:
 
         @jax.checkpoint
@@ -126,7 +140,7 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
             wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * di), chunk * di, axis=1)
             q = queries(q_latent, wq, position_ids, chunk, cfg, wide)
             hw_c = jax.lax.dynamic_slice_in_dim(hw, i * chunk, chunk, axis=2)
-            return acc + _head_contribution(q.astype(wide), keys_wide, hw_c), None
+            return acc + _head_contribution(widen(q), keys_wide, hw_c), None
 
         # Zeros [B, S, W] typed like the body's output: under shard_map a scan's carry must
         # vary over the same mesh axes going in and coming out (jax_impl.sharded); a plain 0.

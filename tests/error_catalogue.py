@@ -179,6 +179,12 @@ CONFIG_ERRORS = [
      "sliding_window=-1 must be an int >= 0 (0: no window)"),
     (dict(teacher_normaliser="x", rope_scaling="yarn"),
      "teacher_normaliser='x' is not supported (valid: joint, compressed)"),
+    # scoring_backend: the JAX side's scoring code (torch accepts it and computes the same)
+    (dict(scoring_backend="triton"), "scoring_backend='triton' is not supported (valid: xla, pallas)"),
+    (dict(scoring_backend=None), "scoring_backend=None is not supported (valid: xla, pallas)"),
+    (dict(scoring_backend="Pallas"), "scoring_backend='Pallas' is not supported (valid: xla, pallas)"),
+    (dict(rope_scaling="yarn", scoring_backend="x"),
+     "rope_scaling='yarn' must be null or a dict with type 'yarn'"),
 ]
 
 # --------------------------------------------------------------------------- input checks

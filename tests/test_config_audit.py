@@ -24,7 +24,7 @@ import pytest
 
 import jax_impl
 from harness.cases import CASES
-from harness.matrix import DTYPES, MODES, chunk_points, compressed_points
+from harness.matrix import DTYPES, MODES, build_matrix, chunk_points, compressed_points
 from harness.random_configs import CHUNK_KNOBS, PINNED, config_fields
 
 import numpy as np
@@ -36,6 +36,11 @@ SPEC_FIELDS = ("emb_dim", "q_lora_rank", "index_n_heads", "index_head_dim", "rop
                "sliding_window", "teacher_normaliser", "rope_scaling")
 
 DEFAULT_THETA, DEFAULT_EPS = 160000.0, 1e-6
+
+# Config fields that are not SPEC section 1's math but a choice of code: jax_impl validates and
+# reads them, torch_ref accepts (same message on a bad value) and ignores them. Each value must
+# run somewhere in the parity matrix (harness.matrix.Point.backend).
+IMPLEMENTATION_FIELDS = {"scoring_backend": {"xla", "pallas"}}
 
 
 def _heads(n: int) -> str:
@@ -156,7 +161,7 @@ def seen_classes(field: str, instances) -> dict[str, list[str]]:
 def test_the_audit_walks_every_config_field():
     """SPEC_FIELDS is SPEC section 1 (when the SPEC is at hand) and covers every CSAConfig field."""
     assert set(AUDIT) == set(SPEC_FIELDS)
-    assert {f.name for f in dataclasses.fields(jax_impl.CSAConfig)} <= set(SPEC_FIELDS)
+    assert {f.name for f in dataclasses.fields(jax_impl.CSAConfig)} <= set(SPEC_FIELDS) | set(IMPLEMENTATION_FIELDS)
     spec = Path(__file__).resolve().parents[1].parent / "shared" / "SPEC.md"
     if spec.is_file():
         text = spec.read_text().split("## 1. Configuration", 1)[1].split("\n## ", 1)[0]
@@ -195,3 +200,9 @@ def test_the_committed_cases_alone_leave_fields_at_one_value_class():
     seen = seen_classes("compress_ratio", committed_instances())
     assert set(seen) == {"4", "S not a multiple of m", "S < m (W = 0)"}  # no m = 1, no m != 4
     assert set(seen_classes("index_topk", committed_instances())) == {"between 1 and W", ">= W"}  # no k = 1
+
+
+def test_every_value_of_an_implementation_field_runs_in_the_matrix():
+    assert set(IMPLEMENTATION_FIELDS) <= set(config_fields())  # both sides accept them
+    for sample in ("ci", "default"):
+        assert {e.point.backend for e in build_matrix(sample=sample)} == IMPLEMENTATION_FIELDS["scoring_backend"]

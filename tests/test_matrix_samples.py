@@ -5,6 +5,7 @@ every chunk knob on each sweep case. Cheap: no JAX, no compilation."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections import Counter
@@ -19,7 +20,8 @@ NARROW, WIDE = ("bfloat16", "float16"), ("float32", "float64")
 
 
 def _points(sample):
-    return {e.point for e in build_matrix(sample=sample)}
+    """The sample's points on the XLA scoring backend (the pallas backend's: test_the_pallas_sample...)."""
+    return {e.point for e in build_matrix(sample=sample, backends=["xla"])}
 
 
 def test_ci_is_a_subset_of_default_and_default_of_full():
@@ -82,7 +84,7 @@ def test_ci_is_about_half_the_default_in_compiled_programs():
     assert len(ci) == 106 and len(default) == 221
     assert Counter(p.teacher for p in ci) == {"joint": 96, "compressed": 10}
     assert Counter(p.teacher for p in default) == {"joint": 193, "compressed": 28}
-    assert len(build_matrix(sample="ci")) == 1912 and len(build_matrix()) == 3875
+    assert len(build_matrix(sample="ci", backends=["xla"])) == 1912 and len(build_matrix(backends=["xla"])) == 3875
     assert len(ci) / len(default) < 0.6
 
 
@@ -117,6 +119,23 @@ def test_points_name_their_teacher_and_parse_back():
     assert {e.point.teacher for e in only_joint} == {"joint"}
     with pytest.raises(ValueError, match=r"teacher='softmax' is not supported \(valid: joint, compressed\)"):
         build_matrix(teachers=["softmax"])
+
+
+def test_the_pallas_backend_runs_its_own_small_sample():
+    """harness.matrix.BACKENDS: ci 2 points (small bfloat16 native, tiny float64 at the combined
+    chunk point), default 27 (every case natively in one dtype, the sweep cases in every dtype
+    and at the combined point in float32 and bfloat16, and ci's); joint teacher only; each
+    point's native run is the XLA path at the same knobs."""
+    pallas = {s: {e.point for e in build_matrix(sample=s, backends=["pallas"])} for s in SAMPLES}
+    assert pallas["ci"] < pallas["default"] < pallas["full"]
+    assert {p.spec() for p in pallas["ci"]} == {"small:bfloat16:0:0:0:joint:pallas", "tiny:float64:2:2:5:joint:pallas"}
+    assert len(pallas["default"]) == 27 and {p.case for p in pallas["default"] if not p.chunked} == set(CASES)
+    assert all(p.teacher == "joint" and p.native == dataclasses.replace(p, backend="xla") for p in pallas["full"])
+    assert all(Point.parse(p.spec()) == p and "backend=pallas" in p.label for p in pallas["default"])
+    assert {e.point.backend for e in build_matrix(sample="ci")} == {"xla", "pallas"}
+    assert {e.point.backend for e in build_matrix(sample="ci", impl="plugins.x:y")} == {"xla"}
+    with pytest.raises(ValueError, match=r"backend='triton' is not supported \(valid: xla, pallas\)"):
+        build_matrix(backends=["triton"])
 
 
 def test_an_unknown_sample_is_one_clear_error():

@@ -13,8 +13,9 @@ native program. Measured on the 2-core machine: `pytest tests/test_mutations.py 
 ~100 s CPU (forked workers included: the fork server is reaped at session end), ~52 s wall.
 Issue 15's 8 mutants beyond the committed cases each run one pinned random problem live
 against torch (harness/random_configs.py): measured 108 CPU-s for the 8 (10-13 s each). The
-clean run here covers the matrix points only: the clean pass of those 4 problems is
-tests/test_random_configs.py::test_pinned_problem[NAME], the same `check_problem` on the same
+clean run here covers the matrix points only: the clean pass of the kernel check is
+tests/test_pallas.py::test_the_kernel_check_passes_on_the_committed_code, and of those 4 problems
+is tests/test_random_configs.py::test_pinned_problem[NAME], the same `check_problem` on the same
 source, which `make test` runs beside this file (running it here too cost 29 s, issue 10).
 """
 
@@ -44,7 +45,7 @@ from harness.mutations import (
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = {"exact64", "exact64@sel", "oracle", "oracle@sel", "chunk", "chunk@sel", "topk",
-               "chunk-topk", "isolation", "memory"}
+               "chunk-topk", "isolation", "memory", "kernel"}
 
 
 @pytest.fixture(scope="session")
@@ -107,7 +108,8 @@ def test_catalogue_is_complete():
     for m in CATALOGUE:
         assert m.stage in STAGES, m.name
         assert m.killed_by and set(m.killed_by) <= CHECK_NAMES, m.name
-        assert m.points or m.memory or m.problems, f"{m.name}: an empty slice kills nothing"
+        assert m.points or m.memory or m.problems or m.kernel, f"{m.name}: an empty slice kills nothing"
+        assert ("kernel" in m.killed_by) == m.kernel, m.name
         assert set(m.problems) <= set(PINNED), m.name
         test_file, _, test_id = m.killing_test.partition("::")
         assert (ROOT / test_file).is_file(), f"{m.name}: killing test {m.killing_test} does not exist"
@@ -151,10 +153,10 @@ def test_a_stale_entry_fails_loudly(tmp_path):
 
 def test_the_committed_source_is_never_touched(tmp_path):
     root = ROOT / "jax_impl"
-    before = {p.name: p.read_bytes() for p in root.glob("*.py")}
-    for m in CATALOGUE[:3]:
+    before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*.py")}
+    for m in (*CATALOGUE[:3], CATALOGUE[-1]):
         patch_copy(m, tmp_path / m.name)
-    assert {p.name: p.read_bytes() for p in root.glob("*.py")} == before
+    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*.py")} == before
 
 
 def test_the_plain_subprocess_worker_imports_the_copy(tmp_path):

@@ -50,6 +50,9 @@ def _chunk_message(name: str, value: Any, heads_name: str, heads: int) -> str:
 
 
 TEACHER_NORMALISERS = ("joint", "compressed")
+# The JAX side's choice of scoring code: accepted (so one config dict serves both sides) and
+# ignored here; validated with the same message.
+SCORING_BACKENDS = ("xla", "pallas")
 ROPE_SCALING_KEYS = ("type", "factor", "original_max_position", "beta_fast", "beta_slow")
 
 
@@ -105,6 +108,7 @@ class CSAConfig:
     teacher_normaliser: str = "joint"
     # A plain dict (or None). Left out of the hash (a dict has none); equality still compares it.
     rope_scaling: Any = dataclasses.field(default=None, hash=False)
+    scoring_backend: str = "xla"
 
     def __post_init__(self) -> None:
         # Checked in field order; the first violation raises.
@@ -157,6 +161,10 @@ class CSAConfig:
                 if v is not None:
                     _check_rope_scaling(v)
                     object.__setattr__(self, "rope_scaling", dict(v))  # a plain copy
+            elif name == "scoring_backend":
+                if not (isinstance(v, str) and v in SCORING_BACKENDS):
+                    raise ValueError(f"scoring_backend={v!r} is not supported "
+                                     f"(valid: {', '.join(SCORING_BACKENDS)})")
             else:  # the positive int fields
                 if not _is_int(v):
                     raise ValueError(f"{name}={v!r} must be an int")

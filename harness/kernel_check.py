@@ -1,0 +1,71 @@
+"""The `kernel` check: jax_impl's Pallas scoring kernels against the XLA path, on small problems
+whose tiles do not divide them (interpret mode off TPU, where the rows and key blocks past the
+end of a partial tile read NaN).
+
+    kernel_check() -> [CheckResult]   # every comparison; the check passes when none failed
+
+Two problems, one compiled program:
+- float64, B=2, S=21, c=3, DI=8, W=10, tiles (8, 8): three row tiles (8, 8, 5) and two key
+  tiles (8, 2), square so that a transposed tile has the right shape and must be caught by
+  its numbers. The forward and the VJP (dq, dK, dw under a fixed random cotangent) against
+  plain JAX autodiff of `jax_impl.scoring.head_contribution_autodiff`: EXACT64 (same math,
+  summation order only).
+- bfloat16 q and K (w float32), the same shape, tiles (16, 8): the forward against the XLA
+  contribution of the same values widened to float32, at KERNEL_BF16_FORWARD (below). A
+  bfloat16 product is exact in float32, so only the summation order differs; an accumulator in
+  bfloat16 is ~1e-2 off.
+
+tests/test_pallas.py runs it on the committed code; the mutation self-test
+(harness/mutations.py, `kernel=True` entries) on each mutated copy of jax_impl.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .compare import CheckResult, compare_close
+from .tolerance import EXACT64, KERNEL_BF16_FORWARD
+
+SHAPE = {"B": 2, "S": 21, "c": 3, "DI": 8, "W": 10}
+TILES64 = (8, 8)
+TILES16 = (16, 8)
+CHECK = "kernel"
+
+
+def _problem(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    b, s, c, d, w = (SHAPE[k] for k in ("B", "S", "c", "DI", "W"))
+    q = rng.standard_normal((b, s, c, d))
+    keys = rng.standard_normal((b, w, d))
+    hw = rng.standard_normal((b, s, c))
+    ct = rng.standard_normal((b, s, w))
+    return q, keys, hw, ct
+
+
+def kernel_check() -> list[CheckResult]:
+    """Every comparison of the module doc, as CheckResults named `kernel` (needs 64-bit mode)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import Tiles, contribution
+    from jax_impl.scoring import head_contribution_autodiff
+
+    if not jax.config.jax_enable_x64:
+        raise RuntimeError("kernel_check needs JAX 64-bit mode (JAX_ENABLE_X64=1)")
+    t64, t16 = Tiles(*TILES64), Tiles(*TILES16)
+
+    @jax.jit
+    def run(q, keys, hw, ct):
+        out, pull = jax.vjp(lambda *a: contribution(*a, t64), q, keys, hw)
+        ref, ref_pull = jax.vjp(head_contribution_autodiff, q, keys, hw)
+        q16, k16 = q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16)
+        hw32 = hw.astype(jnp.float32)
+        out16 = contribution(q16, k16, hw32, t16)
+        ref16 = head_contribution_autodiff(q16.astype(jnp.float32), k16.astype(jnp.float32), hw32)
+        return (out, *pull(ct)), (ref, *ref_pull(ct)), (out16, ref16)
+
+    got, want, (out16, ref16) = run(*(jnp.asarray(a) for a in _problem()))
+    names = ("scores", "dq", "dkeys", "dhead_weights")
+    results = [compare_close(CHECK, f"float64 {n}", g, w, EXACT64) for n, g, w in zip(names, got, want)]
+    results.append(compare_close(CHECK, "bfloat16 scores", out16, ref16, KERNEL_BF16_FORWARD))
+    return results

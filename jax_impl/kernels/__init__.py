@@ -1,0 +1,16 @@
+"""Pallas kernels of the indexer (`scoring_backend="pallas"`): the head-summed ReLU scores
+and their backward (jax_impl.kernels.scores). On a TPU they compile with Mosaic; on any other
+platform they run in Pallas interpret mode (`interpret_mode`)."""
+
+import jax
+
+from .scores import KEY_TILE, ROW_TILE, Tiles, contribution, default_tiles
+
+
+def interpret_mode(platform: str | None = None) -> bool:
+    """Whether the kernels run in Pallas interpret mode on `platform` (default: JAX's
+    default backend): everywhere but TPU."""
+    return (platform or jax.default_backend()) != "tpu"
+
+
+__all__ = ["KEY_TILE", "ROW_TILE", "Tiles", "contribution", "default_tiles", "interpret_mode"]

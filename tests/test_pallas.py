@@ -1,0 +1,246 @@
+"""The Pallas scoring kernels (jax_impl.kernels, `scoring_backend="pallas"`).
+
+Off TPU every kernel here runs in Pallas interpret mode (and the report of a run says so);
+TPU is reached by `jax.export(..., platforms=["tpu"])`, which lowers each kernel to its Mosaic
+custom call on this CPU machine without running it.
+
+1. The `kernel` check (harness.kernel_check: partial square tiles in float64, bfloat16 inputs)
+   passes on the committed code: the clean pass of the mutation catalogue's kernel entries.
+2. `jax.test_util.check_grads` on the kernels' custom VJP, float64, partial tiles.
+3. Gradients of the pallas backend's scores against plain JAX autodiff of the XLA path, float32.
+4. TPU export of the loss's forward and backward with the pallas backend: at every matrix
+   point's shapes and tiles (the sample of CSA_PARITY_SAMPLE, like tests/test_parity_matrix.py)
+   and at production shapes (HI=64, DI=128, S=8192 and 32768, bfloat16 and float32): the
+   Mosaic call is there, every tile is TPU-legal, and no per-head [.., rows, W] buffer exists
+   (the XLA backend's export of the same loss has one: the assertion can fail).
+5. The kernels as a stage plug-in (examples/pallas_scores.py) through the harness, and a
+   planted kernel bug failing with the stage named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.test_util import check_grads
+
+import jax_impl
+from harness.cases import CASES
+from harness.collect import evaluate
+from harness.kernel_check import kernel_check
+from harness.matrix import Entry, Point, build_matrix
+from harness.mutations import CATALOGUE, patch_copy
+from jax_impl import scoring
+from jax_impl.kernels import Tiles, contribution, default_tiles
+from jax_impl.validate import input_shapes, param_shapes
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = os.environ.get("CSA_PARITY_SAMPLE", "default")
+# check_grads settings and the kink margin: as tests/test_grad_checks.py (its docstring says why).
+EPS, TOL, MARGIN = 1e-6, 1e-5, 1e-3
+# Pallas vs XLA autodiff, float32, max |diff| / max |XLA grad|: measured worst 2.9e-7 over the
+# chunk sizes below (float32 sums of up to W*c*DI products in another order); 1e-5 as
+# tests/test_grad_checks.py's float32 custom-VJP bound.
+GRAD_RTOL32 = 1e-5
+
+
+def test_the_kernel_check_passes_on_the_committed_code():
+    results = kernel_check()
+    assert len(results) == 5
+    failed = [r.message for r in results if r.failed]
+    assert not failed, "\n".join(failed)
+
+
+def test_check_grads_on_the_kernels_custom_vjp_with_partial_tiles():
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((1, 11, 2, 8)))  # float64; rows 8 + 3, blocks 4 + 1
+    keys = jnp.asarray(rng.standard_normal((1, 5, 8)))
+    hw = jnp.asarray(rng.standard_normal((1, 11, 2)))
+    margin = float(jnp.min(jnp.abs(jnp.einsum("bshd,bwd->bshw", q, keys))))
+    assert margin >= MARGIN, f"a logit sits {margin:.2e} from the ReLU kink: pick another point"
+    tiles = Tiles(8, 4)
+
+    def f(q, keys, hw):
+        return contribution(q, keys, hw, tiles)
+
+    check_grads(f, (q, keys, hw), order=1, modes=("rev",), atol=TOL, rtol=TOL, eps=EPS)
+    # the check can fail: the same kernels with dK dropped are caught
+    bad = jax.custom_vjp(f)
+
+    def bad_bwd(res, g):
+        dq, dk, dw = jax.vjp(f, *res)[1](g)
+        return dq, jnp.zeros_like(dk), dw
+
+    bad.defvjp(lambda *a: (f(*a), a), bad_bwd)
+    with pytest.raises(AssertionError):
+        check_grads(bad, (q, keys, hw), order=1, modes=("rev",), atol=TOL, rtol=TOL, eps=EPS)
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_pallas_gradients_match_autodiff_of_the_xla_path_in_float32(chunk):
+    cfg = jax_impl.CSAConfig(emb_dim=16, q_lora_rank=8, index_n_heads=4, index_head_dim=8, rope_head_dim=4,
+                             compress_ratio=2, index_topk=2, num_query_heads=2, head_dim=8,
+                             indexer_head_chunk=chunk)
+    rng = np.random.default_rng(2)
+    b, s, w = 2, 13, 6
+    q_latent = jnp.asarray(rng.standard_normal((b, s, 8)), jnp.float32)
+    wq_b = jnp.asarray(rng.standard_normal((8, 32)) * 0.3, jnp.float32)
+    hw = jnp.asarray(rng.standard_normal((b, s, 4)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((b, w, 8)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    ct = jnp.asarray(rng.standard_normal((b, s, w)), jnp.float32)
+
+    def grads(c, vjp):
+        def f(wq_b, hw, keys):
+            return jnp.sum(ct * scoring.raw_scores(q_latent, pos, wq_b, hw, keys, c, jnp.float32, vjp))
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(wq_b, hw, keys)
+
+    got = grads(dataclasses.replace(cfg, scoring_backend="pallas"), "custom")
+    want = grads(cfg, "autodiff")
+    for name, g, r in zip(("wq_b", "head_weights", "keys"), got, want):
+        err = float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r)))
+        assert err <= GRAD_RTOL32, f"{name}: {err:.3g} > {GRAD_RTOL32}"
+
+
+# ----------------------------------------------------------------------------- TPU export
+
+# TPU has no float64 or float16 kernels: a matrix point is exported at its shapes and tiles in
+# the TPU dtype of the same width class.
+TPU_DTYPE = {"float64": "float32", "float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
+TENSOR = re.compile(r"tensor<((?:\d+x)+)(?:f32|bf16|f16|f64)>")
+
+
+def export_loss(cfg, batch: int, seq: int, dtype: str) -> str:
+    """The StableHLO text of the loss's forward and backward (loss, parameter gradients),
+    exported for TPU from abstract arguments (nothing runs, nothing is allocated)."""
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, (_, s) in param_shapes(cfg).items()}
+    inputs = {k: jax.ShapeDtypeStruct(s, jnp.int32 if k in ("position_ids", "segment_ids") else jnp.float32)
+              for k, (_, s) in input_shapes(cfg, batch, seq).items()}
+
+    def f(p, x):
+        return jax_impl.indexer_loss_and_grads(p, x, cfg, dtype)[:2]
+
+    return export.export(jax.jit(f), platforms=["tpu"])(params, inputs).mlir_module()
+
+
+def per_head_buffers(text: str, rows: int, blocks: int, heads: int) -> list[str]:
+    """Tensor types holding query rows, key blocks and the indexer's heads at once."""
+    out = []
+    for dims in {m.group(1) for m in TENSOR.finditer(text)}:
+        shape = [int(d) for d in dims.rstrip("x").split("x")]
+        if rows in shape and blocks in shape and heads in shape and len(shape) >= 3:
+            out.append("x".join(map(str, shape)))
+    return out
+
+
+def kernel_rows(case, point) -> int:
+    return min(point.qchunk, case.seq_len) if point.qchunk else case.seq_len
+
+
+def _export_points(sample: str) -> list[Point]:
+    """One pallas point per distinct (kernel shapes, tiles, TPU dtype) of the sample."""
+    seen, out = set(), []
+    for p in sorted({e.point for e in build_matrix(sample=sample, backends=["pallas"])}):
+        case = CASES[p.case]
+        heads = p.ichunk or case.config["index_n_heads"]
+        key = (case.batch, kernel_rows(case, p), case.num_blocks, heads, case.config["index_head_dim"],
+               TPU_DTYPE[p.dtype])
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("point", _export_points(SAMPLE),
+                         ids=lambda p: p.spec())
+def test_the_loss_exports_for_tpu_at_a_matrix_points_tiles(point):
+    case = CASES[point.case]
+    dtype = TPU_DTYPE[point.dtype]
+    cfg = jax_impl.CSAConfig(**{**case.config, "indexer_head_chunk": point.ichunk,
+                                "loss_head_chunk": point.tchunk, "query_chunk": point.qchunk,
+                                "scoring_backend": "pallas"})
+    rows = kernel_rows(case, point)
+    tiles = default_tiles(rows, case.num_blocks)
+    text = export_loss(cfg, case.batch, case.seq_len, dtype)
+    if case.num_blocks == 0:  # nothing to score: no kernel at all
+        assert "tpu_custom_call" not in text
+        return
+    assert tiles.legal(rows, case.num_blocks, jnp.dtype(dtype).itemsize) is None
+    assert text.count("tpu_custom_call") >= 3, "forward, dq/dw and dK kernels expected as Mosaic calls"
+
+
+# Production shapes: DeepSeek-V4's indexer (HI=64, DI=128, m=4, YaRN), the loss walked in query
+# blocks of 1024 rows (the kernels see [B, 1024, HI, DI] queries), the teacher 8 heads a step.
+PRODUCTION = dict(emb_dim=4096, q_lora_rank=1024, index_n_heads=64, index_head_dim=128, rope_head_dim=64,
+                  compress_ratio=4, index_topk=512, num_query_heads=64, head_dim=512, sliding_window=128,
+                  loss_head_chunk=8, query_chunk=1024,
+                  rope_scaling={"type": "yarn", "factor": 16, "original_max_position": 65536,
+                                "beta_fast": 32, "beta_slow": 1})
+
+
+@pytest.mark.parametrize("seq,rows,dtype", [(8192, 1024, "bfloat16"), (8192, 1024, "float32"),
+                                            (32768, 1024, "bfloat16"), (32768, 1024, "float32"),
+                                            (8192, 1000, "bfloat16")])
+def test_the_loss_exports_for_tpu_at_production_shape(seq, rows, dtype):
+    """rows 1000: query blocks of 1000 rows, so the kernels' last row tile is partial
+    (1000 = 7 x 128 + 104): masked in the kernels, not padded in HBM (bfloat16: the stricter
+    (16, 128) rule)."""
+    cfg = jax_impl.CSAConfig(**{**PRODUCTION, "query_chunk": rows, "scoring_backend": "pallas"})
+    w = seq // 4
+    tiles = default_tiles(rows, w)
+    assert (tiles.rows, tiles.keys) == (128, 512)
+    assert tiles.legal(rows, w, jnp.dtype(dtype).itemsize) is None
+    text = export_loss(cfg, 1, seq, dtype)
+    assert text.count("tpu_custom_call") >= 3
+    assert not per_head_buffers(text, rows, w, 64), per_head_buffers(text, rows, w, 64)
+
+
+def test_the_xla_backend_at_production_shape_has_the_per_head_buffer():
+    """The other side of the assertion above: the XLA path's logits [B, rows, HI, W] are there."""
+    text = export_loss(jax_impl.CSAConfig(**PRODUCTION), 1, 8192, "bfloat16")
+    assert "tpu_custom_call" not in text
+    assert per_head_buffers(text, 1024, 2048, 64)
+
+
+def test_illegal_tiles_are_refused_by_the_rule_and_by_the_tpu_lowering():
+    assert Tiles(16, 100).legal(256, 640, 2) == "key tile 100 is neither W=640 nor a multiple of 128"
+    assert Tiles(8, 128).legal(256, 640, 2) == "row tile 8 is neither S=256 nor a multiple of 16"
+    assert Tiles(8, 128).legal(256, 640, 4) is None
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 640, 128), jnp.float32)
+    w = jax.ShapeDtypeStruct((1, 256, 4), jnp.float32)
+    with pytest.raises(ValueError, match="divisible by 8 and 128"):
+        export.export(jax.jit(lambda q, k, w: contribution(q, k, w, Tiles(16, 100))), platforms=["tpu"])(q, k, w)
+
+
+# ----------------------------------------------------------------------------- stage plug-in
+
+STAGE_QUANTITIES = ("stage.scores", "stage_grad.scores.q", "stage_grad.scores.keys",
+                    "stage_grad.scores.head_weights")
+
+
+@pytest.mark.torch
+def test_the_kernels_as_a_stage_plugin_pass_and_a_planted_bug_names_the_stage(tmp_path, monkeypatch):
+    for q in STAGE_QUANTITIES:
+        (result,) = evaluate(Entry(Point("tiny", "float32"), "stage", q, "examples.pallas_scores"))
+        assert result.status == "passed", result.message
+    # The same plug-in over a copy of jax_impl whose dq kernel drops the head weight.
+    mutant = next(m for m in CATALOGUE if m.name == "kernel_dq_missing_head_weight")
+    patch_copy(mutant, tmp_path)
+    shutil.move(tmp_path / "jax_impl", tmp_path / "csa_planted_kernel")
+    (tmp_path / "planted_pallas_scores.py").write_text(
+        (ROOT / "examples" / "pallas_scores.py").read_text().replace("from jax_impl.kernels", "from csa_planted_kernel.kernels"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    results = {q: evaluate(Entry(Point("tiny", "float32"), "stage", q, "planted_pallas_scores"))[0]
+               for q in STAGE_QUANTITIES}
+    assert results["stage.scores"].status == "passed"
+    assert results["stage_grad.scores.q"].status == "failed"
+    assert "stage_grad.scores.q (oracle): MISMATCH" in results["stage_grad.scores.q"].message
