@@ -176,8 +176,10 @@ BACKEND = CHUNK
 
 
 # The `kernel` check (harness.kernel_check): the kernels' forward fed bfloat16 q and K against
-# the XLA contribution of the same values widened to float32.
-KERNEL_BF16_FORWARD = 1.0
+# the XLA contribution of the same values widened to float32. A bfloat16 product is exact in
+# float32, so only the order of float32 sums differs: measured 6.5e-9 (normwise, 3 heads of 8
+# channels); 1e-6 is ~16 float32 unit roundoffs. A bfloat16 accumulator is off by ~2^-9.
+KERNEL_BF16_FORWARD = 1e-6
 
 
 def backend_bound(dtype: str, quantity: str) -> float:

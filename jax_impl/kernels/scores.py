@@ -169,10 +169,6 @@ def _dk_kernel(q_ref, k_ref, w_ref, g_ref, dk_ref, *, heads, seq_len, row_tile):
 # ----------------------------------------------------------------------------------- calls
 
 
-def _params(*semantics):
-    return pltpu.CompilerParams(dimension_semantics=semantics)
-
-
 def _specs(c, di, tiles, by_rows):
     """BlockSpecs of (q [B, c, S, DI], K [B, W, DI], w [B, S, c], g [B, S, W]) for a grid
     (b, outer, inner): rows outer and key blocks inner (`by_rows`), or the reverse."""
@@ -187,49 +183,44 @@ def _specs(c, di, tiles, by_rows):
             pl.BlockSpec((None, ts, tw), rk(lambda b, i, j: (b, i, j)))]
 
 
-def _scores_call(qt, keys, w, tiles, interpret):
+def _call(kernel, name, by_rows, out_shape, out_specs, args, tiles, interpret, **static):
+    """pallas_call of `kernel` over (B, row tiles, key tiles) (`by_rows`; else key tiles
+    outermost after B), the innermost axis a reduction ("arbitrary") unless nothing reduces."""
+    qt, keys = args[0], args[1]
     b, c, s, di = qt.shape
     nw = keys.shape[1]
-    wide = _wide_of(qt.dtype, keys.dtype, w.dtype)
-    specs = _specs(c, di, tiles, by_rows=True)
+    specs = _specs(c, di, tiles, by_rows)
+    rows, blocks = pl.cdiv(s, tiles.rows), pl.cdiv(nw, tiles.keys)
+    inner = "parallel" if len(args) == 3 else "arbitrary"
     return pl.pallas_call(
-        functools.partial(_scores_kernel, heads=c),
-        out_shape=jax.ShapeDtypeStruct((b, s, nw), wide),
-        grid=(b, pl.cdiv(s, tiles.rows), pl.cdiv(nw, tiles.keys)),
-        in_specs=specs[:3], out_specs=specs[3],
-        compiler_params=_params("parallel", "parallel", "parallel"),
-        interpret=interpret, name="csa_index_scores",
-    )(qt, keys, w)
+        functools.partial(kernel, heads=c, **static),
+        out_shape=out_shape,
+        grid=(b, rows, blocks) if by_rows else (b, blocks, rows),
+        in_specs=specs[:len(args)], out_specs=out_specs(specs),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", inner)),
+        interpret=interpret, name=name,
+    )(*args)
+
+
+def _scores_call(qt, keys, w, tiles, interpret):
+    b, _, s, _ = qt.shape
+    wide = _wide_of(qt.dtype, keys.dtype, w.dtype)
+    return _call(_scores_kernel, "csa_index_scores", True, jax.ShapeDtypeStruct((b, s, keys.shape[1]), wide),
+                 lambda specs: specs[3], (qt, keys, w), tiles, interpret)
 
 
 def _dq_dw_call(qt, keys, w, g, tiles, interpret):
     b, c, s, di = qt.shape
-    nw = keys.shape[1]
-    wide = g.dtype
-    specs = _specs(c, di, tiles, by_rows=True)
-    return pl.pallas_call(
-        functools.partial(_dq_dw_kernel, heads=c, num_blocks=nw, key_tile=tiles.keys),
-        out_shape=(jax.ShapeDtypeStruct((b, c, s, di), wide), jax.ShapeDtypeStruct((b, s, c), wide)),
-        grid=(b, pl.cdiv(s, tiles.rows), pl.cdiv(nw, tiles.keys)),
-        in_specs=specs, out_specs=(specs[0], specs[2]),
-        compiler_params=_params("parallel", "parallel", "arbitrary"),
-        interpret=interpret, name="csa_index_scores_dq_dw",
-    )(qt, keys, w, g)
+    shapes = (jax.ShapeDtypeStruct((b, c, s, di), g.dtype), jax.ShapeDtypeStruct((b, s, c), g.dtype))
+    return _call(_dq_dw_kernel, "csa_index_scores_dq_dw", True, shapes, lambda specs: (specs[0], specs[2]),
+                 (qt, keys, w, g), tiles, interpret, num_blocks=keys.shape[1], key_tile=tiles.keys)
 
 
 def _dk_call(qt, keys, w, g, tiles, interpret):
-    b, c, s, di = qt.shape
-    nw = keys.shape[1]
-    wide = g.dtype
-    specs = _specs(c, di, tiles, by_rows=False)
-    return pl.pallas_call(
-        functools.partial(_dk_kernel, heads=c, seq_len=s, row_tile=tiles.rows),
-        out_shape=jax.ShapeDtypeStruct((b, nw, di), wide),
-        grid=(b, pl.cdiv(nw, tiles.keys), pl.cdiv(s, tiles.rows)),
-        in_specs=specs, out_specs=specs[1],
-        compiler_params=_params("parallel", "parallel", "arbitrary"),
-        interpret=interpret, name="csa_index_scores_dk",
-    )(qt, keys, w, g)
+    b, _, s, di = qt.shape
+    shape = jax.ShapeDtypeStruct((b, keys.shape[1], di), g.dtype)
+    return _call(_dk_kernel, "csa_index_scores_dk", False, shape, lambda specs: specs[1],
+                 (qt, keys, w, g), tiles, interpret, seq_len=s, row_tile=tiles.rows)
 
 
 def _on_platform(call, *args):
