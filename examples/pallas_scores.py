@@ -10,10 +10,13 @@ custom VJP, i.e. the dq/dw and dK kernels) against the float64 reference's stage
 kernels run in Pallas interpret mode.
 """
 
+import jax
+
 from jax_impl.kernels import contribution
 
 STAGE = "scores"
 
 
+@jax.jit  # one compiled program for the forward, one for its VJP (the harness calls both)
 def scores(q, keys, head_weights):
     return contribution(q, keys, head_weights) * q.shape[-1] ** -0.5

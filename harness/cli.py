@@ -45,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--teachers", type=_csv(str),
                      help="joint,compressed: the loss's teacher (default: both; compressed on the cases "
                           "whose fixture holds its goldens)")
-    run.add_argument("--backends", type=_csv(str),
-                     help="xla,pallas: jax_impl's scoring backend (default: both for --impl jax, the pallas "
-                          "backend on its own sample; off TPU the Pallas kernels run in interpret mode)")
+    run.add_argument("--backends", type=_csv(str), default=["xla"],
+                     help="xla,pallas: jax_impl's scoring backends (default: xla; pallas runs its own sample "
+                          "of points, harness/matrix.py; off TPU the Pallas kernels run in interpret mode)"),
     run.add_argument("--sample", default="default", choices=list(SAMPLES),
                      help="which chunk points the matrix samples (harness/matrix.py): default, ci (the "
                      "subset `make test` runs) or full (the whole chunk cross product, slow)")

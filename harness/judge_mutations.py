@@ -219,8 +219,8 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     HarnessMutant(
         "chunk_topk_against_the_oracle", "reference", "judge.py",
-        'check="chunk-topk", against=refs.native)',
-        'check="chunk-topk", against=None)',
+        'check=f"{versus}-topk", against=refs.native)',
+        'check=f"{versus}-topk", against=None)',
         _rules("test_chunk_topk_compares_against_native_with_the_oracles_window"), "chunk-topk against native",
         "chunked picks compared with the oracle's instead of native's (repeats the topk check)",
     ),

@@ -19,6 +19,8 @@ Sections (each names the table or comment it feeds):
             points of the committed fixtures, and which term set that bound.
   FIXTURE_CHECK  harness/tolerance.py FIXTURE_CHECK_RTOL: JAX on the committed fixtures vs
             their goldens, normwise as `--check` compares, in eps(dtype).
+  BACKEND   harness/tolerance.py BACKEND: the pallas scoring backend vs the XLA path at the
+            same knobs, over the default sample's pallas points (the `xla` check's errors).
   MEMORY    tests/test_memory.py (harness/tolerance.py MEMORY_FLOOR_FACTOR): chunk 1's compiled
             temp memory over its analytic floor (also with the harness.mutations mutant that
             drops the scan's jax.checkpoint, in a child process), native over chunk 1, per-head
@@ -360,7 +362,27 @@ def memory_section(quick: bool) -> None:
 
 # --------------------------------------------------------------------------- main
 
-SECTIONS = ("chunk", "floor", "orders", "fixtures", "memory")
+SECTIONS = ("chunk", "floor", "orders", "fixtures", "memory", "backend")
+
+
+# --------------------------------------------------------------------------- BACKEND
+
+
+def backend_section(cases, dtypes=DTYPES) -> None:
+    """The `xla` check's errors (Pallas vs XLA at the same knobs) over the default sample's
+    pallas points, goldens mode (interpret mode off TPU: ~10-40 s a point)."""
+    print("BACKEND (harness/tolerance.py BACKEND): the pallas backend vs the XLA path, default "
+          "sample's pallas points, goldens mode")
+    worst: dict = {}
+    for entry in build_matrix(cases=cases, dtypes=dtypes, backends=["pallas"]):
+        if entry.quantity == "topk_indices":
+            continue
+        for r in evaluate(entry, reference="goldens"):
+            if r.check.startswith("xla") and r.status in ("passed", "failed"):
+                k = (entry.point.dtype, tolerance.numeric_kind(entry.quantity))
+                worst[k] = max(worst.get(k, 0.0), float(r.error))
+    for (dtype, kind), err in sorted(worst.items()):
+        print(row(f"{dtype} {kind}", err, tolerance.BACKEND[dtype][kind]))
 
 
 def main(argv=None) -> int:
@@ -370,7 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections (repeatable)")
     ap.add_argument("--dtype", choices=DTYPES, action="append", help="CHUNK, ORDERS, FIXTURE_CHECK: only these dtypes (repeatable)")
     ap.add_argument("--case", choices=list(CASES), action="append",
-                    help="ORDERS and FIXTURE_CHECK: only these fixtures (repeatable)")
+                    help="ORDERS, FIXTURE_CHECK and BACKEND: only these fixtures (repeatable)")
     args = ap.parse_args(argv)
     # The suite's settings (tests/conftest.py); set here, not on import, so that a test importing
     # this module keeps its own.
@@ -394,6 +416,8 @@ def main(argv=None) -> int:
         fixture_section(cases, dtypes)
     if "memory" in only:
         memory_section(args.quick)
+    if "backend" in only:
+        backend_section(cases, dtypes)
     print(f"done in {time.time() - start:.0f} s (bounds read from the harness; nothing is judged here)")
     return 0
 

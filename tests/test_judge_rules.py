@@ -243,6 +243,28 @@ def test_chunk_bound_is_the_tight_chunk_table_against_native(quantity, dtype):
     _assert_boundary(f"chunk: CHUNK[{dtype}][{kind}] against native ({quantity})", run, bound)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantity", list(QUANTITIES))
+def test_a_pallas_point_is_judged_against_the_xla_path_at_the_backend_bound(quantity, dtype):
+    """xla: the pallas backend's X@t against the XLA path at the same knobs (refs.native), to
+    BACKEND[t][kind], named `xla` (no `chunk` result)."""
+    mode, name, kind, scale, make = QUANTITIES[quantity]
+    oracle = make(_rng(6))
+    xla = _bump(oracle, 2e-3, _first(oracle), scale)
+    torch_t = _bump(oracle, 0.05, _first(oracle), scale)
+    bound = tolerance.BACKEND[dtype][kind]
+
+    def run(f):
+        cand = Outputs("hand-made", {name: _bump(xla, f * bound, scale=scale)})
+        refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@t", {name: torch_t}),
+                          native=Outputs("xla", {name: xla}))
+        results = judge(_entry(quantity, dtype, backend="pallas"), cand, refs)
+        assert not [r for r in results if r.check.startswith("chunk")]
+        return _only(results, "xla")
+
+    _assert_boundary(f"xla: BACKEND[{dtype}][{kind}] against the XLA path ({quantity})", run, bound)
+
+
 # --------------------------------------------------------------------------- per-row scale of scores
 
 
