@@ -26,7 +26,7 @@ from .config import CSAConfig, resolve_dtype
 from .loss import kl_loss, loss_keep, student_log_probs, teacher_distribution, teacher_inputs
 from .pooling import compress_keys, compress_parts
 from .precision import round_to
-from . import query_blocks
+from . import kernels, query_blocks
 from .scoring import queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
 from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check_params, check_selection, teacher_input_names
 
@@ -205,7 +205,10 @@ def _stages_jit(params, inputs, selection, cfg, dtype_name):
                                   p["indexer.kv_norm"], cfg, wide)
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
     q = queries(q_latent, p["indexer.wq_b"], pos, cfg.index_n_heads, cfg, wide)
-    scores = score_stage(q.astype(wide), keys.astype(wide), hw)
+    if cfg.scoring_backend == "pallas":  # the stage as the backend computes it
+        scores = kernels.contribution(q, keys, hw) * (cfg.index_head_dim**-0.5)
+    else:
+        scores = score_stage(q.astype(wide), keys.astype(wide), hw)
     valid = block_validity(pos, seg, cfg, x.shape[1])
     masked = mask_scores(scores, valid)
     topk = topk_indices(masked, valid, cfg.index_topk)
