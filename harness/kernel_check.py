@@ -4,7 +4,8 @@ end of a partial tile read NaN).
 
     kernel_check() -> [CheckResult]   # every comparison; the check passes when none failed
 
-Two problems, one compiled program:
+Two problems, in three compiled programs (the XLA reference, the float64 kernels, the
+bfloat16 forward kernel):
 - float64, B=2, S=21, c=3, DI=8, W=10, tiles (8, 8): three row tiles (8, 8, 5) and two key
   tiles (8, 2), square so that a transposed tile has the right shape and must be caught by
   its numbers. The forward and the VJP (dq, dK, dw under a fixed random cotangent) against
@@ -54,17 +55,25 @@ def kernel_check() -> list[CheckResult]:
         raise RuntimeError("kernel_check needs JAX 64-bit mode (JAX_ENABLE_X64=1)")
     t64, t16 = Tiles(*TILES64), Tiles(*TILES16)
 
-    @jax.jit
-    def run(q, keys, hw, ct):
-        out, pull = jax.vjp(lambda *a: contribution(*a, t64), q, keys, hw)
-        ref, ref_pull = jax.vjp(head_contribution_autodiff, q, keys, hw)
-        q16, k16 = q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16)
-        hw32 = hw.astype(jnp.float32)
-        out16 = contribution(q16, k16, hw32, t16)
-        ref16 = head_contribution_autodiff(q16.astype(jnp.float32), k16.astype(jnp.float32), hw32)
-        return (out, *pull(ct)), (ref, *ref_pull(ct)), (out16, ref16)
+    # Three programs, not one: a mutation of one kernel leaves the others' programs (and the
+    # XLA reference's) unchanged, so a shared persistent compilation cache serves them.
+    def vjp_at(fn, ct, *args):
+        out, pull = jax.vjp(fn, *args)
+        return (out, *pull(ct))
 
-    got, want, (out16, ref16) = run(*(jnp.asarray(a) for a in _problem()))
+    def widened(q, keys, hw):
+        return q.astype(jnp.bfloat16).astype(jnp.float32), keys.astype(jnp.bfloat16).astype(jnp.float32), \
+            hw.astype(jnp.float32)
+
+    reference = jax.jit(lambda q, keys, hw, ct: (vjp_at(head_contribution_autodiff, ct, q, keys, hw),
+                                                 head_contribution_autodiff(*widened(q, keys, hw))))
+    kernels64 = jax.jit(lambda q, keys, hw, ct: vjp_at(lambda *a: contribution(*a, t64), ct, q, keys, hw))
+    kernels16 = jax.jit(lambda q, keys, hw: contribution(q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16),
+                                                         hw.astype(jnp.float32), t16))
+    q, keys, hw, ct = (jnp.asarray(a) for a in _problem())
+    want, ref16 = reference(q, keys, hw, ct)
+    got = kernels64(q, keys, hw, ct)
+    out16 = kernels16(q, keys, hw)
     names = ("scores", "dq", "dkeys", "dhead_weights")
     results = [compare_close(CHECK, f"float64 {n}", g, w, EXACT64) for n, g, w in zip(names, got, want)]
     results.append(compare_close(CHECK, "bfloat16 scores", out16, ref16, KERNEL_BF16_FORWARD))
