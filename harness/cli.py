@@ -178,7 +178,9 @@ def platform_info(precision: str, reference: str) -> dict:
         "jax_version": jax.__version__,
         "matmul_precision": precision,
     }
-    if jax.default_backend() != "tpu":  # what a pallas-backend point ran (jax_impl.kernels.interpret_mode)
+    from jax_impl.kernels import interpret_mode
+
+    if interpret_mode():  # what a pallas-backend point ran
         info["pallas"] = f"Pallas interpret mode on {jax.default_backend()} (no TPU: the kernels are interpreted)"
     if reference == "live":
         import torch

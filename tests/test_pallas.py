@@ -246,3 +246,17 @@ def test_the_kernels_as_a_stage_plugin_pass_and_a_planted_bug_names_the_stage(tm
     assert results["stage.scores"].status == "passed"
     assert results["stage_grad.scores.q"].status == "failed"
     assert "stage_grad.scores.q (oracle): MISMATCH" in results["stage_grad.scores.q"].message
+
+
+def test_a_report_says_the_kernels_ran_in_interpret_mode():
+    from harness.cli import platform_info
+    from harness.compare import status_result
+    from harness.report import markdown, record, summarise
+
+    info = platform_info("highest", "goldens")
+    assert jax.default_backend() != "tpu" and "Pallas interpret mode" in info["pallas"]
+    entry = Entry(Point("tiny", "float64", backend="pallas"), "dense", "loss")
+    rec = record(entry, status_result("exact64", "loss", "passed", ""))
+    assert rec["backend"] == "pallas"
+    text = markdown([rec], {"platform": info}, summarise([rec]))
+    assert "Pallas kernels: Pallas interpret mode on cpu" in text.splitlines()[2]
