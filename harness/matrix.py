@@ -327,16 +327,18 @@ def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None
     """All entries. None = the sample's choice (`sample`: ci, default or full); explicit
     `ichunks` / `tchunks` / `qchunks` replace the sampled chunk points of every case by their
     cross product (a missing one counts as [0]). `teachers` (default: both) picks the teachers;
-    the compressed one runs only on the cases that hold its goldens. `backends` (default: both
-    for the JAX implementation, xla for any other) picks the scoring backends; pallas runs its
-    own sample (`pallas_points`) unless chunks are given explicitly."""
+    the compressed one runs only on the cases that hold its goldens. `backends` picks the scoring
+    backends; pallas runs its own sample (`pallas_points`), or the explicit chunks when it is
+    named. Default: both for the JAX implementation when the chunk points are sampled; xla
+    alone for a plug-in or an explicit chunk selection."""
     for t in teachers or ():
         if t not in TEACHERS:
             raise ValueError(f"teacher={t!r} is not supported (valid: {', '.join(TEACHERS)})")
     for b in backends or ():
         if b not in BACKENDS:
             raise ValueError(f"backend={b!r} is not supported (valid: {', '.join(BACKENDS)})")
-    entries = [] if "pallas" not in (backends or (BACKENDS if impl == "jax" else ())) else [
+    explicit = ichunks is not None or tchunks is not None or qchunks is not None
+    entries = [] if "pallas" not in (backends or (BACKENDS if impl == "jax" and not explicit else ())) else [
         e for e in _build(cases, dtypes, ichunks, tchunks, modes, impl, qchunks, sample, ("joint",), "pallas")
         if "joint" in (teachers or TEACHERS)]
     if backends is None or "xla" in backends:
