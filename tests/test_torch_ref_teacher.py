@@ -429,7 +429,7 @@ def test_rope_scaling_none_is_plain_rope_bit_for_bit(dtype):
 def test_new_config_fields_defaults_order_and_round_trip():
     names = [f.name for f in dataclasses.fields(CSAConfig)]
     assert names[names.index("loss_scale") + 1:] == ["sliding_window", "teacher_normaliser",
-                                                     "rope_scaling"]
+                                                     "rope_scaling", "scoring_backend"]
     cfg = cfg_of(SMALL)
     assert (cfg.sliding_window, cfg.teacher_normaliser, cfg.rope_scaling) == (0, "joint", None)
     source = dict(V4_YARN, factor=16.0)
