@@ -31,23 +31,28 @@ hour on 2 cores; the `full` sample restores it for a long run):
   compressed teacher runs on the cases whose fixture holds its goldens (`Case.teachers`:
   tiny, small, packed, teacher_gap), loss modes only (the forward does not depend on the
   teacher): the native point in every dtype and the combined chunk point in float32,
-  bfloat16 and float64 (default); the native point in float64 and bfloat16 and the combined
-  point in float32 on small and teacher_gap (ci); the joint teacher's chunk points (full). So both teachers are judged
-  dense, sparse and chunked in every sample, and in goldens mode (the fixture stores both).
+  bfloat16 and float64 (default); the native point in float64 and bfloat16, and the combined
+  point on small (bfloat16) and teacher_gap (float64) (ci); the joint teacher's chunk points
+  (full). So both teachers are judged dense, sparse and chunked in every sample, and in
+  goldens mode (the fixture stores both).
 
 Three samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest):
 - `default` (the rules above; `csa-parity run` and `make parity`): 3875 entries, 221
   compiled programs.
-- `ci` (what `make test` and `make test312` run, so that `.ci/run` stays under 20 minutes):
-  every case in every dtype natively (the jax-vs-torch verdict itself); the combined chunk
-  point (both head chunks and the non-dividing query chunk) of every case in two dtypes,
-  one narrow and one wide, rotated over the cases (not on the six joint-teacher cases, which
-  share one indexer and run natively); and on each sweep case every value class of every knob once (indexer
-  chunk 1 and HI, teacher chunk 1 and H, the dividing and the non-dividing query chunk
-  alone), the dtypes rotated so that each class runs in a different dtype on the two sweep
-  cases. 106 programs, 1912 entries. What it leaves out (every other divisor, each class in
-  every dtype) the default sample runs; in every CI run tests/test_grad_checks.py compares the
-  scoring's custom VJP with plain autodiff at every head-chunk divisor of a small problem.
+- `ci` (what `make test` runs, and `make test312` in float64 and bfloat16, so that `.ci/run`
+  stays under 25 minutes): every case natively in one narrow and one wide dtype (the
+  jax-vs-torch verdict itself), the two sweep cases in all four; the combined chunk point
+  (both head chunks and the non-dividing query chunk) of each of the 10 cases beyond the six
+  joint-teacher ones in one of its native dtypes (two on the sweep cases); and on each sweep
+  case every value class of every knob once (indexer chunk 1 and HI, teacher chunk 1 and H,
+  the dividing and the non-dividing query chunk alone), the dtypes rotated so that each class
+  runs in a different dtype on the two sweep cases. `CI_DTYPES` names each case's dtypes:
+  every dtype runs natively on 7 of the 14 other cases and holds the combined point of 2 of the
+  8 older ones.
+  70 programs, 1252 entries. What it leaves out (the other dtypes of each case, every other
+  divisor, each class in every dtype) the default sample runs; in every CI run
+  tests/test_grad_checks.py compares the scoring's custom VJP with plain autodiff at every
+  head-chunk divisor of a small problem.
 - `full`: the whole chunk cross product (about 1400 programs), for a long run.
 """
 
@@ -212,11 +217,33 @@ def chunk_points(case: str, dtype: str, sample: str = "default") -> list[tuple[i
     return sorted(set(points))
 
 
-# The ci sample's rotations (module doc). Case k of the catalogue holds the combined point in
-# COMBINED_DTYPES[k % 4]. On sweep case j, value class c runs in one of the dtypes the default
-# sample sweeps that knob in, the (c + j)-th.
-COMBINED_DTYPES = (("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"),
-                   ("float16", "float32"))
+# The ci sample's dtypes (module doc), per case: (the dtypes of its native point, the dtypes of
+# its combined chunk point). A chunked point is judged against the native point of its own
+# dtype, so the combined dtypes are a subset of the native ones. Chosen so that every dtype runs
+# natively on 7 of the 14 cases beyond the sweep cases and holds the combined point of 2 of the
+# 8 original ones, and so that the mutation self-test's points (tiny, packed, sink_only and
+# yarn_tail in float64) are ci points whose programs the self-test loads from the run's
+# compilation cache. A case missing here is an error (tests/test_matrix_samples.py).
+CI_DTYPES = {
+    "tiny": (("float16", "float64"), ("float16",)),
+    "small": (DTYPES, ("float16", "float64")),
+    "packed": (("bfloat16", "float64"), ("float64",)),
+    "ragged": (("float16", "float32"), ("float32",)),
+    "no_blocks": (("bfloat16", "float32"), ("bfloat16",)),
+    "all_invalid": (("float16", "float32"), ("float16",)),
+    "topk_wide": (("bfloat16", "float32"), ("float32",)),
+    "ties": (("bfloat16", "float64"), ("bfloat16",)),
+    "flash_dims": (DTYPES, ("bfloat16", "float32")),
+    "window_only": (("float16", "float32"), ()),
+    "sink_only": (("bfloat16", "float64"), ()),
+    "window_one": (("float16", "float32"), ()),
+    "window_wide": (("bfloat16", "float64"), ()),
+    "window_heavy": (("float16", "float64"), ()),
+    "teacher_gap": (("bfloat16", "float32"), ()),
+    "yarn_tail": (("float16", "float64"), ("float64",)),
+}
+# On sweep case j, value class c runs in one of the dtypes the default sample sweeps that knob
+# in, the (c + j)-th.
 ICHUNK_DTYPES = ("float32", "bfloat16", "float64")
 # The cases that exist for the joint teacher (they share one small indexer): the ci sample runs
 # them natively only (every older case has a window and a sink too, so its combined point checks
@@ -226,11 +253,17 @@ TEACHER_CASES = ("window_only", "sink_only", "window_one", "window_wide", "windo
 
 def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
     """The ci sample's chunk triples for a case and dtype: a subset of the default sample's."""
+    if case not in CI_DTYPES:
+        raise ValueError(f"case={case!r} has no entry in harness.matrix.CI_DTYPES (the ci sample's dtypes "
+                         "per case): add one")
+    native, combined = CI_DTYPES[case]
+    if dtype not in native:
+        return []
     cfg = CASES[case].config
     hi, h = cfg["index_n_heads"], cfg["num_query_heads"]
     dividing, non_dividing = query_chunk_sizes(CASES[case].seq_len)
     points = [(0, 0, 0)]
-    if case not in TEACHER_CASES and dtype in COMBINED_DTYPES[list(CASES).index(case) % len(COMBINED_DTYPES)]:
+    if dtype in combined:
         points.append((*combined_pair(case), non_dividing))
     if case in SWEEP_CASES:
         j = SWEEP_CASES.index(case)
@@ -242,11 +275,12 @@ def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
 
 
 # The compressed teacher's sample (module doc): its points on the cases whose fixture holds its
-# goldens (Case.teachers), per sample: (dtypes of the native point, dtypes of the combined point).
-COMPRESSED_SAMPLE = {"ci": (("float64", "bfloat16"), ("float32",)),
-                     "default": (DTYPES, ("float32", "bfloat16", "float64"))}
-# ci: the compressed teacher's combined point on these cases only (native on all four).
-COMPRESSED_CI_COMBINED = ("small", "teacher_gap")
+# goldens (Case.teachers). default: the native point in every dtype, the combined point in
+# float32, bfloat16 and float64. ci: the native point in float64 and bfloat16, and the combined
+# point on two cases, in one of those (so its native point of the same dtype is in the sample).
+COMPRESSED_NATIVE = {"ci": ("float64", "bfloat16"), "default": DTYPES}
+COMPRESSED_COMBINED = {"ci": {"small": ("bfloat16",), "teacher_gap": ("float64",)},
+                       "default": {case: ("float32", "bfloat16", "float64") for case in CASES}}
 
 
 def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tuple[int, int, int]]:
@@ -257,9 +291,8 @@ def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tu
         return []
     if sample == "full":
         return chunk_points(case, dtype, sample)
-    native, combined = COMPRESSED_SAMPLE[sample]
-    points = [(0, 0, 0)] if dtype in native else []
-    if dtype in combined and (sample != "ci" or case in COMPRESSED_CI_COMBINED):
+    points = [(0, 0, 0)] if dtype in COMPRESSED_NATIVE[sample] else []
+    if dtype in COMPRESSED_COMBINED[sample].get(case, ()):
         points.append((*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1]))
     return points
 
