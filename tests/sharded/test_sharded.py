@@ -45,6 +45,7 @@ from harness.compare import compare_close, to_numpy
 from harness.fixtures import load_case
 from harness.matrix import Point as HPoint
 from harness.matrix import entries_at
+from harness.report import RERUN, rerun_command
 from harness.tolerance import EXACT64, chunk_bound
 from jax_impl import sharded
 
@@ -155,7 +156,7 @@ def test_sharded_entry(entry):
     results = evaluate(entry, reference="goldens")
     assert results and not any(r.status == "not_applicable" for r in results), [r.message for r in results]
     failures = [r.message for r in results if r.failed]
-    assert not failures, "\n".join(failures)
+    assert not failures, "\n".join(failures + [RERUN + rerun_command(entry.point, entry.mode, entry.impl, "goldens")])
 
 
 def test_sharded_outputs_are_laid_out_on_the_mesh():
