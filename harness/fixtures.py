@@ -59,7 +59,7 @@ LOW_DTYPES = ("float32", "bfloat16", "float16")
 
 VERSION_KEYS = ("torch_version", "numpy_version", "csa_parity_version")
 
-# issue 14: per low dtype, the reference's own error against the float64 oracle is stored as
+# Per low dtype, the reference's own error against the float64 oracle is stored as
 # the max over K equivalent evaluation orders, `golden.<dtype>.orderr.<name>` (a float64
 # scalar), for the names the oracle checks compare (harness.judge): the forward values and the
 # dense and sparse-at-oracle loss and gradients. How they are computed: harness.regenerate.

@@ -224,7 +224,7 @@ def load_implementation(spec: str) -> ProtocolImplementation:
     lacking = [n for n in REQUIRED if not callable(getattr(api, n, None))]
     entry_points = [n for n in PROTOCOL[1:] if callable(getattr(api, n, None))]
     stage = getattr(api, "STAGE", None)
-    if stage is not None:  # issue 11: a stage plug-in, e.g. `STAGE = "scores"` and `scores(q, keys, head_weights)`
+    if stage is not None:  # a stage plug-in, e.g. `STAGE = "scores"` and `scores(q, keys, head_weights)`
         if stage not in STAGE_INPUTS:
             raise ImplementationError(f"implementation {spec!r}: STAGE={stage!r} is not a stage the harness "
                                       f"offers (valid: {', '.join(STAGE_INPUTS)})")
@@ -241,7 +241,7 @@ def load_implementation(spec: str) -> ProtocolImplementation:
     return ProtocolImplementation(spec, api)
 
 
-# --------------------------------------------------------------------------- stage plug-ins (issue 11)
+# --------------------------------------------------------------------------- stage plug-ins
 
 
 def stage_cotangent(shape) -> np.ndarray:

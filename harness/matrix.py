@@ -21,7 +21,7 @@ hour on 2 cores; the `full` sample restores it for a long run):
   both scans against native on every layout.
 - Forward quantities (keys, scores, top-k) do not depend on the teacher chunk
   or the loss mode: they are checked at teacher chunk 0 only, mode "forward".
-- Query chunks (issue #13, `qchunk`, 0 = all rows): the combined chunk point of every
+- Query chunks (`qchunk`, 0 = all rows): the combined chunk point of every
   case also walks the queries in blocks of a size that does not divide S (at least 2
   blocks: the last block holds padding rows), and the sweep cases add two points with
   query chunking alone, one dividing S and one not (each at least 2 blocks), in float32,
@@ -73,7 +73,7 @@ def divisors(n: int) -> list[int]:
 @dataclasses.dataclass(frozen=True, order=True)
 class Point:
     """What an implementation runs: one problem at one dtype with its run-time knobs
-    (indexer chunk, teacher chunk, query chunk (issue #13; 0 = all rows), and for sharded
+    (indexer chunk, teacher chunk, query chunk (0 = all rows), and for sharded
     runs the mesh (data, model)). One compiled program computes every mode and quantity of
     a point."""
 

@@ -60,14 +60,14 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))
 def _forward_jit(params, inputs, cfg, dtype_name):
-    if cfg.query_chunk:  # issue #13: the query-blocked path, assembled to the full outputs
+    if cfg.query_chunk:  # the query-blocked path, assembled to the full outputs
         return query_blocks.forward(params, inputs, cfg, dtype_name)
     keys, masked, _, topk = forward_parts(params, inputs, cfg, dtype_name)
     return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
 
 
 def _loss_core(params, float_inputs, int_inputs, selection, cfg, dtype_name):
-    if cfg.query_chunk:  # issue #13: the query-blocked training path
+    if cfg.query_chunk:  # the query-blocked training path
         return query_blocks.loss(params, float_inputs, int_inputs, selection, cfg, dtype_name)
     dtype, wide = resolve_dtype(dtype_name)
     inputs = {**float_inputs, **int_inputs}
@@ -142,7 +142,7 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     """The forward once, the three loss heads, and ONE backward pass through the indexer
     batched over the three loss cotangents (chain rule: d loss / d params = J^T d loss / d scores,
     J the Jacobian of the masked scores). A third of the program of three jax.grad calls."""
-    if cfg.query_chunk:  # issue #13: the query-blocked path, one loss-and-grads per mode
+    if cfg.query_chunk:  # the query-blocked path, one loss-and-grads per mode
         return query_blocks.parity_bundle(params, float_inputs, int_inputs, selection, cfg, dtype_name)
     dtype, wide = resolve_dtype(dtype_name)
 

@@ -1,4 +1,4 @@
-"""issue 12: jax_impl used the way JAX code is used. The public functions under jax.jit,
+"""jax_impl used the way JAX code is used. The public functions under jax.jit,
 jax.grad, jax.vmap (a leading batch of problems) and shard_map, and the NNX layer under
 nnx.jit / nnx.grad / nnx.value_and_grad / nnx.vmap with an optax nnx.Optimizer; each result
 against the concrete call.

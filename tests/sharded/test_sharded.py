@@ -1,4 +1,4 @@
-"""The sharded slice (issue 7): `jax_impl.sharded` on a (data x model) mesh of simulated CPU
+"""The sharded slice: `jax_impl.sharded` on a (data x model) mesh of simulated CPU
 devices against single-device `jax_impl` (tight) and against the float64 oracle goldens of
 the fixtures (the matrix rule), forward and gradients, plus the mesh-split errors.
 
@@ -271,7 +271,7 @@ def test_inputs_are_validated_before_the_mesh():
 
 
 def test_public_loss_and_grads_run_inside_shard_map():
-    """issue 12: jax_impl.indexer_loss_and_grads is traceable, so a user can put it inside their
+    """jax_impl.indexer_loss_and_grads is traceable, so a user can put it inside their
     own shard_map: here over a `data` axis of 2 devices, each device's loss of its batch row,
     pmean-ed (small: every row has the same number of valid tokens, so the mean of the per-row
     losses is the loss). Against the single-device call, the float64 bound of this file."""
