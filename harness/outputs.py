@@ -11,7 +11,7 @@ between an implementation and the judge):
 
 `<variant>` is one of LOSS_VARIANTS: `dense`, `sparse` (on the implementation's own
 top-k) and `sparse_at_oracle` (sparse, given the float64 oracle's top-k as `selection`,
-docs/API.md). A matrix entry's `mode` is one of MODES (`forward`, `dense`, `sparse`);
+docs/plugins.md). A matrix entry's `mode` is one of MODES (`forward`, `dense`, `sparse`);
 a `sparse` entry is judged on both sparse variants. Nothing else is called a mode.
 
 Pure data: no numpy computation, no framework, no fixture I/O (the judge imports this).

@@ -9,8 +9,8 @@ Every figure quoted as "measured" below is re-measured by one command,
     python scripts/measure_tolerances.py          # [--quick]: fewer seeds and fixtures
 
 which reruns each measurement (random problems for CHUNK, the committed fixtures
-for the rest) and prints the worst value per entry next to its bound. Later issues
-that change a bound re-run it and update the figures here.
+for the rest) and prints the worst value per entry next to its bound. A change
+of a bound reruns it and updates the figures here.
 
 Tables are keyed by the numeric kinds of harness.outputs.kind_of: forward
 (compressed keys, scores), loss, grad. The top-k rule takes its score tolerance

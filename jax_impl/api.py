@@ -1,4 +1,4 @@
-"""Public entry points (docs/API.md): indexer_forward, indexer_loss, indexer_loss_and_grads.
+"""Public entry points (docs/plugins.md): indexer_forward, indexer_loss, indexer_loss_and_grads.
 
 Each is traceable: it runs on concrete arrays (numpy or jax) AND inside `jax.jit`,
 `jax.grad`, `jax.vmap` (a leading batch of problems) and `shard_map`. First it checks the
@@ -180,7 +180,7 @@ def indexer_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, selection)
     {"forward": indexer_forward's dict, "dense" | "sparse" | "sparse_at_selection":
     (loss, param_grads, input_grads)}, the last with `selection` imposed. `cfg.sparse_loss`
     is ignored (all modes are computed). An optional extension of the protocol
-    (docs/API.md): it exists to compile once instead of four times per matrix point."""
+    (docs/plugins.md): it exists to compile once instead of four times per matrix point."""
     args = prepare_arguments(params, inputs, cfg, dtype, selection)
     return _bundle_jit(*args, cfg, dtype)
 

@@ -14,7 +14,7 @@ Already covered elsewhere, and not repeated here:
     unsupported dtype, an implementation that cannot be imported or lacks its factory, an
     unwritable report directory (tests/test_cli.py test_user_errors_exit_2_with_one_line).
 Here: the jax_impl side of those same catalogues (the messages are identical by
-docs/API.md, so they are imported, not copied), the entries neither catalogue
+docs/plugins.md, so they are imported, not copied), the entries neither catalogue
 holds, the value checks of a fixture (NaN / Inf / decreasing positions in a file whose
 sha matches: a fixture error, never a parity pass or failure), and the CLI side of every
 fixture error and of the remaining chunk errors.
@@ -528,7 +528,7 @@ def test_cli_chunk_error(capfd, tmp_path, args, message):
 def test_cli_implementation_without_the_protocol(capfd, tmp_path):
     code, lines = _cli(capfd, ["run", "--impl", "json", "--no-progress", "--out", str(tmp_path)])
     _assert_user_error(code, lines, "implementation 'json' lacks CSAConfig, indexer_forward or "
-                                    "indexer_loss_and_grads (the protocol of docs/API.md")
+                                    "indexer_loss_and_grads (the protocol of docs/plugins.md")
 
 
 def _missing(d):

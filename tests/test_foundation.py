@@ -141,7 +141,7 @@ def test_gradient_reaches_only_the_six_parameters(side):
         for teacher in ("joint", "compressed"):  # SMALL has a window: the joint teacher reads every input
             c = dataclasses.replace(cfg, sparse_loss=sparse, teacher_normaliser=teacher)
             _, pg, ig = side.indexer_loss_and_grads(params, inputs, c, "float64")
-            # docs/API.md: a gradient for each float input the loss reads (all six under the
+            # docs/plugins.md: a gradient for each float input the loss reads (all six under the
             # joint teacher with a window; the compressed one reads neither joint input), and
             # an input it does not read is ignored, so has none.
             reads = {"hidden_states", "q_latent", "teacher_query", "teacher_kv"}

@@ -16,7 +16,7 @@ against the fixture goldens (the JAX-only mode, no torch needed).
 Precision: CSA_PARITY_PRECISION=highest (default) or default, the JAX matmul
 precision and the tolerance profile (harness/tolerance.py) together.
 Sample: CSA_PARITY_SAMPLE=default (the default: what `csa-parity run` runs), ci (what
-`make test` runs: a subset, harness/matrix.py says which) or full.
+`make test` runs: a subset, docs/matrix.md says which) or full.
 """
 
 from __future__ import annotations

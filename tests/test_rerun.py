@@ -136,3 +136,12 @@ def test_list_counts_the_native_points_chunk_checks_need():
     lines = selection_lines(entries, "default")
     assert lines[-1] == "compiled programs: 2 (1 points, one program each, + 1 native points the chunk checks " \
                         "compare with); nothing was run"
+
+
+def test_the_list_example_in_the_docs_is_what_list_prints():
+    """docs/running.md shows `--list` for one selection; it must be the current output."""
+    import re
+
+    doc = (ROOT / "docs" / "running.md").read_text()
+    block = re.search(r"```\n\$ csa-parity run --list --cases tiny --dtypes float32\n(.*?)```", doc, re.S).group(1)
+    assert block.splitlines() == selection_lines(build_matrix(["tiny"], ["float32"]), "default")
