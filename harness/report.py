@@ -90,6 +90,13 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
     return " ".join(shlex.quote(w) for w in words)
 
 
+def failure_text(entry: Entry, results, reference: str = "live", precision: str = "highest") -> str:
+    """A matrix test's failure message: the message of each failed or errored check of `entry`,
+    then the command that reruns its point (the CLI's `rerun:` line)."""
+    lines = [r.message for r in results if r.failed]
+    return "\n".join(lines + [RERUN + rerun_command(entry.point, entry.mode, entry.impl, reference, precision)])
+
+
 def record_point(rec: dict) -> Point:
     """The `Point` a record was judged at."""
     return Point(rec["case"], rec["dtype"], rec["ichunk"], rec["tchunk"], rec.get("qchunk", 0),

@@ -29,7 +29,7 @@ from harness.collect import collect, policy
 from harness.judge import judge
 from harness.matrix import SAMPLES, build_matrix
 from harness.outputs import NOT_APPLICABLE, NOT_PROVIDED
-from harness.report import RERUN, rerun_command
+from harness.report import failure_text
 
 REFERENCE = os.environ.get("CSA_PARITY_REFERENCE", "live")
 PROFILE = os.environ.get("CSA_PARITY_PRECISION", "highest")  # conftest sets JAX's matmul precision to match
@@ -49,8 +49,7 @@ def _param(entry):
 def test_parity(entry):
     outputs, references = collect(entry, REFERENCE)
     results = judge(entry, outputs, references, policy(PROFILE))
-    failures = [r.message for r in results if r.failed]
-    assert not failures, "\n".join(failures + [RERUN + rerun_command(entry.point, entry.mode, entry.impl, REFERENCE, PROFILE)])
+    assert not any(r.failed for r in results), failure_text(entry, results, REFERENCE, PROFILE)
     unjudged = [r.message for r in results if r.status in (NOT_PROVIDED, NOT_APPLICABLE)]
     if unjudged and len(unjudged) == len(results):
         pytest.skip("; ".join(unjudged))

@@ -17,7 +17,8 @@ import pytest
 from harness.cli import selection_lines
 from harness.compare import CheckResult
 from harness.matrix import Entry, Point, build_matrix
-from harness.report import RERUN, attach_reruns, error_lines, failure_lines, markdown, record, rerun_command, summarise
+from harness.report import (RERUN, attach_reruns, error_lines, failure_lines, failure_text, markdown, record,
+                            rerun_command, summarise)
 
 ROOT = Path(__file__).resolve().parent.parent
 WRONG = "plugins.wrong_at_one_point:make_impl"
@@ -81,6 +82,17 @@ def test_failed_and_errored_records_carry_it_in_every_report():
     assert f"{RERUN}`{failed['rerun']}`" in md and f"{RERUN}`{errored['rerun']}`" in md
     assert json.loads(json.dumps(summary))["errors_by_point"]["ragged bfloat16 ichunk=0 tchunk=0"]["rerun"] == \
         errored["rerun"]
+
+
+def test_a_matrix_tests_failure_message_ends_with_the_same_command():
+    """tests/test_parity_matrix.py (and the sharded slice) fail with `failure_text`."""
+    entry = Entry(Point("tiny", "float32", 2, 0, 0), "forward", "index_scores")
+    bad = CheckResult("oracle", "index_scores", "failed", 0.3, 0.1, mismatched=3, total=64, context=entry.label)
+    good = CheckResult("chunk", "index_scores", "passed", 0.0, 0.1, context=entry.label)
+    text = failure_text(entry, [bad, good], "goldens", "default")
+    record_ = attach_reruns([record(entry, bad)], "goldens", "default")[0]
+    assert text.splitlines() == [bad.message, RERUN + record_["rerun"]]
+    assert record_["rerun"].endswith("--impl jax --reference goldens --precision default")
 
 
 @pytest.mark.torch  # the live reference

@@ -45,7 +45,7 @@ from harness.compare import compare_close, to_numpy
 from harness.fixtures import load_case
 from harness.matrix import Point as HPoint
 from harness.matrix import entries_at
-from harness.report import RERUN, rerun_command
+from harness.report import failure_text
 from harness.tolerance import EXACT64, chunk_bound
 from jax_impl import sharded
 
@@ -155,8 +155,7 @@ def test_sharded_entry(entry):
     `chunk` checks are sharded vs single-device (CHUNK bound), oracle checks the matrix rule."""
     results = evaluate(entry, reference="goldens")
     assert results and not any(r.status == "not_applicable" for r in results), [r.message for r in results]
-    failures = [r.message for r in results if r.failed]
-    assert not failures, "\n".join(failures + [RERUN + rerun_command(entry.point, entry.mode, entry.impl, "goldens")])
+    assert not any(r.failed for r in results), failure_text(entry, results, "goldens")
 
 
 def test_sharded_outputs_are_laid_out_on_the_mesh():
