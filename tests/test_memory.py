@@ -2,7 +2,7 @@
 
 XLA's compiled memory analysis is deterministic for a given program and XLA version, so
 these are not timing tests: nothing runs, nothing is allocated. The full measurement at the
-benchmark's shapes is `python -m benchmarks.memory_speed` (see benchmarks/README.md).
+benchmark's shapes is `python -m benchmarks.memory_speed` (see docs/benchmarks.md).
 
 The shape keeps the benchmark's proportions where they matter: HI*DI / W = 2 (the benchmark: 4),
 so an all-heads q [B, S, HI, DI] is two [B, S, W] arrays, large enough to see.
