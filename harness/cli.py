@@ -252,7 +252,8 @@ def selection_lines(entries, sample: str) -> list[str]:
 
 def run(args) -> int:
     from .matrix import build_matrix
-    from .report import attach_reruns, error_lines, failure_lines, format_table, status_line, summarise, table, write_reports
+    from .report import (attach_reruns, error_lines, failure_lines, format_table, status_line, summarise, table,
+                         write_reports)
     from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
 
     _validate_run_args(args, listing=args.list)
@@ -310,7 +311,7 @@ def run(args) -> int:
     rerun_timeout = None if timeout == DEFAULT_TIMEOUT else timeout
 
     def done(point, point_entries, point_records, wall):
-        records.extend(attach_reruns(point_records, args.reference, args.precision, rerun_timeout))
+        records.extend(attach_reruns(point_records, args.reference, args.precision, rerun_timeout, fixtures_dir))
         walls.append((wall, point.label))
         if progress is not None:
             progress.update(len(point_entries))

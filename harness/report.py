@@ -60,12 +60,13 @@ def record(entry: Entry, result: CheckResult) -> dict:
 
 
 def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", reference: str = "live",
-                  precision: str = "highest", timeout: float | None = None) -> str:
+                  precision: str = "highest", timeout: float | None = None, fixtures_dir: str | None = None) -> str:
     """The command line that reruns exactly `point` (in `mode`, when given) with the options
-    that change its outcome: the implementation, the reference, the matmul precision and a
-    time limit other than the default. `--teachers` is named where the case holds more than
-    one teacher (else explicit chunks would run every teacher's point). A sharded point
-    (`mesh`) runs only under pytest (the device count is set before JAX starts), so its
+    that change its outcome: the implementation, the reference, the matmul precision, a time
+    limit other than the default, and fixtures read from another directory
+    (CSA_PARITY_FIXTURES, set before the command). `--teachers` is named where the case holds
+    more than one teacher (else explicit chunks would run every teacher's point). A sharded
+    point (`mesh`) runs only under pytest (the device count is set before JAX starts), so its
     command is the pytest selection of that point."""
     import shlex
 
@@ -74,6 +75,7 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
     if point.mesh is not None:
         prefix = Entry(point, mode or "", "").id.rstrip("-")
         return f"python -m pytest tests/sharded -n 0 -m sharded -k {shlex.quote(prefix)}"
+    env = f"CSA_PARITY_FIXTURES={shlex.quote(fixtures_dir)} " if fixtures_dir else ""
     words = ["csa-parity", "run", "--cases", point.case, "--dtypes", point.dtype, "--ichunks", str(point.ichunk),
              "--tchunks", str(point.tchunk), "--qchunks", str(point.qchunk)]
     if mode and mode != STAGE_MODE:  # a stage plug-in's entries are not selected by --modes
@@ -87,14 +89,16 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
         words += ["--precision", precision]
     if timeout is not None:
         words += ["--timeout", f"{timeout:g}"]
-    return " ".join(shlex.quote(w) for w in words)
+    return env + " ".join(shlex.quote(w) for w in words)
 
 
-def failure_text(entry: Entry, results, reference: str = "live", precision: str = "highest") -> str:
+def failure_text(entry: Entry, results, reference: str = "live", precision: str = "highest",
+                 fixtures_dir: str | None = None) -> str:
     """A matrix test's failure message: the message of each failed or errored check of `entry`,
     then the command that reruns its point (the CLI's `rerun:` line)."""
     lines = [r.message for r in results if r.failed]
-    return "\n".join(lines + [RERUN + rerun_command(entry.point, entry.mode, entry.impl, reference, precision)])
+    command = rerun_command(entry.point, entry.mode, entry.impl, reference, precision, fixtures_dir=fixtures_dir)
+    return "\n".join(lines + [RERUN + command])
 
 
 def record_point(rec: dict) -> Point:
@@ -104,11 +108,12 @@ def record_point(rec: dict) -> Point:
 
 
 def attach_reruns(records: list[dict], reference: str = "live", precision: str = "highest",
-                  timeout: float | None = None) -> list[dict]:
+                  timeout: float | None = None, fixtures_dir: str | None = None) -> list[dict]:
     """Set `rerun` on every failed or errored record (in place; returns the records)."""
     for rec in records:
         if _failed(rec):
-            rec["rerun"] = rerun_command(record_point(rec), rec["mode"], rec["impl"], reference, precision, timeout)
+            rec["rerun"] = rerun_command(record_point(rec), rec["mode"], rec["impl"], reference, precision, timeout,
+                                         fixtures_dir)
     return records
 
 

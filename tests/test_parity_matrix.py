@@ -49,7 +49,8 @@ def _param(entry):
 def test_parity(entry):
     outputs, references = collect(entry, REFERENCE)
     results = judge(entry, outputs, references, policy(PROFILE))
-    assert not any(r.failed for r in results), failure_text(entry, results, REFERENCE, PROFILE)
+    assert not any(r.failed for r in results), failure_text(entry, results, REFERENCE, PROFILE,
+                                                            os.environ.get("CSA_PARITY_FIXTURES"))
     unjudged = [r.message for r in results if r.status in (NOT_PROVIDED, NOT_APPLICABLE)]
     if unjudged and len(unjudged) == len(results):
         pytest.skip("; ".join(unjudged))

@@ -48,6 +48,9 @@ def test_the_command_names_the_point_and_every_option_that_changes_its_outcome()
         "csa-parity run --cases ragged --dtypes float32 --ichunks 1 --tchunks 2 --qchunks 7 --modes dense "
         "--impl pkg.mod:make --reference goldens --precision default --timeout 30")
     assert "--teachers compressed" in rerun_command(Point("tiny", "float64", teacher="compressed"), "dense")
+    # fixtures from another directory: the variable the CLI reads them from, before the command
+    assert rerun_command(Point("ragged", "float32"), "dense", fixtures_dir="/tmp/my fx").startswith(
+        "CSA_PARITY_FIXTURES='/tmp/my fx' csa-parity run --cases ragged")
     # a stage plug-in's entries are not selected by --modes; an impl with a space is quoted
     assert rerun_command(Point("tiny", "float32"), "stage", "my kernels:k").endswith("--impl 'my kernels:k'")
     assert "--modes" not in rerun_command(Point("tiny", "float32"), "stage", "k")
