@@ -96,5 +96,11 @@ regenerate-fixtures: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.memory_speed
 
+# docs/FIGURES.md, the one page of figures that go stale (matrix sizes, line counts, benchmark
+# results, the last parity report's headroom and times), from cheap sources: a few seconds.
+.PHONY: figures
+figures: $(STAMP)
+	$(BIN)/python scripts/figures.py
+
 clean:
 	rm -rf $(VENV) $(VENV312) reports reports-py312 .pytest_cache
