@@ -52,22 +52,22 @@ GIB = 2**30
 MIB = 2**20
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# The issue's shapes. E and R do not enter the [B, S, W] terms; 256 matches the upstream anchor.
+# The benchmark's shapes (a DeepSeek-V4-sized indexer). E and R do not enter the [B, S, W] terms; 256 matches the upstream anchor.
 ISSUE_SHAPES = dict(
     emb_dim=256, q_lora_rank=256, index_n_heads=64, index_head_dim=128, rope_head_dim=64,
     compress_ratio=4, index_topk=512, num_query_heads=64, head_dim=128,
 )
 CHUNKS = (0, 1, 2, 4, 8, 16, 32, 64)  # 0 = native
 SEQS = (2048, 8192, 32768)
-# The upstream JAX implementation, same work, this CPU, jax 0.10.2, B=1, S=8192, E=R=256
-# (issue #6): temp GiB by single chunk knob.
+# The upstream JAX implementation, same work, this CPU, jax 0.10.2, B=1, S=8192, E=R=256:
+# temp GiB by single chunk knob.
 ANCHOR_S = 8192
 ANCHOR_GIB = {0: 16.3, 1: 1.47, 8: 2.69}
 
 
 # The small compile-only shape of tests/test_memory.py and of the mutation worker's memory
-# check: HI*DI / W = 2 (the issue's shapes: 4), so an all-heads q [B, S, HI, DI] is two
-# [B, S, W] arrays, large enough to see. FLOOR_FACTOR: the issue's bound, chunk 1 holds at
+# check: HI*DI / W = 2 (the benchmark's shapes: 4), so an all-heads q [B, S, HI, DI] is two
+# [B, S, W] arrays, large enough to see. FLOOR_FACTOR: the bound, chunk 1 holds at
 # most twice its analytic floor (the number lives in harness/tolerance.py).
 TEST_SHAPE = dict(
     emb_dim=64, q_lora_rank=64, index_n_heads=16, index_head_dim=64, rope_head_dim=32,
@@ -368,19 +368,19 @@ def evaluate_bounds(rows, time_seq=2048, bound_seq=8192):
     return out
 
 
-# -- query chunking (issue #13) ---------------------------------------------------------
+# -- query chunking ---------------------------------------------------------
 
 # Sequence lengths and query chunks of the query sweep (head chunk 1 on both knobs, the
 # memory-lean head setting). 1000 divides none of the S: its last block is short.
 QUERY_SEQS = (2048, 8192, 32768, 131072)
 QUERY_CHUNKS = (128, 256, 512, 1000, 1024)
 NON_DIVIDING_R, NEIGHBOUR_R = 1000, 1024
-# The issue's bounds (effective temp, float32, dense loss gradient).
+# The bounds query chunking must meet (effective temp, float32, dense loss gradient).
 QUERY_BOUND_SEQ, QUERY_BOUND_GIB = 32768, 0.5
 LONG_SEQ, LONG_BOUND_GIB = 131072, 2.0
 QUERY_TIME_SEQ, QUERY_TIME_MIN_BLOCKS, QUERY_TIME_FACTOR = 2048, 4, 1.5
 LINEAR_SEQS, LINEAR_SLACK = (8192, 32768, 131072), 1.15
-# MaxText 0.2.5's formulation of the same work, this CPU (issue #13), head chunk 1: temp GiB by S.
+# MaxText 0.2.5's formulation of the same work, this CPU, head chunk 1: temp GiB by S.
 UPSTREAM_SEQ_GIB = {8192: 1.47, 32768: 8.14}
 
 
@@ -669,7 +669,7 @@ def main(argv=None):
                    help="time only rows whose temp + ynn_scratch + arguments fit (default 4 GiB)")
     p.add_argument("--no-time", action="store_true", help="compile-only: memory, no wall time")
     p.add_argument("--query-only", action="store_true",
-                   help="only the query-chunk sweep (issue #13); the head-chunk rows of --out are kept")
+                   help="only the query-chunk sweep; the head-chunk rows of --out are kept")
     p.add_argument("--no-query", action="store_true", help="skip the query-chunk sweep")
     p.add_argument("--window-only", action="store_true",
                    help="only the sliding-window rows: the joint teacher with n_win 0 and 128, S up to 131072, "
@@ -762,7 +762,7 @@ def main(argv=None):
                               for c in ANCHOR_GIB if (ANCHOR_S, c, c) in memory))
     query_bounds = evaluate_query_bounds(query_rows, query_timing) if query_rows else []
     if query_rows:
-        print("\nquery chunking (issue #13): effective temp of the loss gradient, head chunk 1, float32")
+        print("\nquery chunking: effective temp of the loss gradient, head chunk 1, float32")
         print_query_table(query_rows)
         print("upstream (MaxText 0.2.5, head chunk 1): "
               + ", ".join(f"S={s}: {g} GiB" for s, g in UPSTREAM_SEQ_GIB.items()))

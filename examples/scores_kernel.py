@@ -1,4 +1,4 @@
-"""A complete stage plug-in (docs/API.md, issue 11): the lightning indexer's scoring kernel.
+"""A complete stage plug-in (docs/plugins.md): the lightning indexer's scoring kernel.
 
     csa-parity run --impl examples.scores_kernel --cases tiny
 

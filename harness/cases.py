@@ -188,7 +188,7 @@ class Case:
 
 
 def _foundation(**over: Any) -> dict[str, Any]:
-    """The foundation config of issue #1 (E=64, R=32, HI=8, DI=32, DR=16, m=4, k=4, H=8, D=32)."""
+    """The foundation config, the first and smallest realistic shape (E=64, R=32, HI=8, DI=32, DR=16, m=4, k=4, H=8, D=32)."""
     base = dict(emb_dim=64, q_lora_rank=32, index_n_heads=8, index_head_dim=32, rope_head_dim=16,
                 compress_ratio=4, index_topk=4, num_query_heads=8, head_dim=32)
     base.update(over)

@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                           "past it is an error and its worker is killed (default: CSA_PARITY_TIMEOUT or "
                           "600, over 40x the slowest point of the default matrix on a 2-core machine)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--list", action="store_true",
+                     help="print the selection (cases, dtypes, chunk points, entries, compiled programs) and "
+                          "exit without running it")
     fx = sub.add_parser("fixtures", help="regenerate or --check the committed fixtures")
     regenerate.add_arguments(fx)
     return p
@@ -91,7 +94,7 @@ def _check_query_chunks(chunks) -> None:
             raise ValueError(f"query_chunk={c!r} must be an int >= 0 (0 = all rows)")
 
 
-def _validate_run_args(args) -> None:
+def _validate_run_args(args, listing: bool = False) -> None:
     from .cases import CASES, TEACHERS, get_case
     from .implementations import load_implementation
     from .matrix import DTYPES
@@ -124,7 +127,8 @@ def _validate_run_args(args) -> None:
         raise ValueError(f"--jobs={args.jobs} must be >= 1")
     if args.timeout is not None and not args.timeout > 0:
         raise ValueError(f"--timeout={args.timeout:g} must be a number of seconds > 0")
-    _check_writable(args.out)
+    if not listing:  # --list writes nothing
+        _check_writable(args.out)
 
 
 def _check_writable(out: str) -> None:
@@ -190,7 +194,7 @@ def platform_info(precision: str, reference: str) -> dict:
 
 
 def _stage_entries(entries, impl: str):
-    """A stage plug-in (issue 11) runs native points only (chunks are the pipeline's knobs): every
+    """A stage plug-in runs native points only (chunks are the pipeline's knobs): every
     matrix entry there (reported not provided, counted) plus its stage's entries."""
     from .implementations import StageImplementation, load_implementation
     from .matrix import Entry
@@ -214,18 +218,61 @@ def _sorted(records: list[dict]) -> list[dict]:
                                           r.get("backend", "xla"), r["mode"], r["quantity"], r["check"]))
 
 
+def _chunk_label(point) -> str:
+    """`i2/t2/q21`: indexer, teacher and query chunk (0 = none), as the heat map labels them."""
+    return f"i{point.ichunk}/t{point.tchunk}" + (f"/q{point.qchunk}" if point.qchunk else "")
+
+
+def selection_lines(entries, sample: str) -> list[str]:
+    """What a run of `entries` holds, without running it: cases, dtypes, the chunk points of each
+    case x dtype x teacher, the entries per mode, and the compiled programs (one per point, plus
+    the native points that chunked points are compared with and the selection leaves out)."""
+    from .matrix import DTYPES
+
+    points = sorted({e.point for e in entries})
+    cases = list(dict.fromkeys(e.point.case for e in entries))  # catalogue order
+    dtypes = [d for d in DTYPES if any(p.dtype == d for p in points)]
+    rows: dict[tuple, list] = {}
+    for p in points:
+        rows.setdefault((p.case, p.dtype, p.teacher), []).append(_chunk_label(p))
+    modes: dict[str, int] = {}
+    for e in entries:
+        modes[e.mode] = modes.get(e.mode, 0) + 1
+    extra_native = {p.native for p in points if p.native is not None} - set(points)
+    width = max(len(c) for c in cases)
+    lines = [f"sample {sample}: {len(cases)} cases, {len(dtypes)} dtypes, {len(points)} points, {len(entries)} entries",
+             f"cases: {', '.join(cases)}", f"dtypes: {', '.join(dtypes)}",
+             "chunk points (indexer/teacher[/query] chunk, 0 = none):"]
+    for case in cases:
+        for dtype in dtypes:
+            for teacher in ("joint", "compressed"):
+                labels = rows.get((case, dtype, teacher))
+                if labels:
+                    tag = "" if teacher == "joint" else " (compressed teacher)"
+                    lines.append(f"  {case:<{width}}  {dtype:<8}  {' '.join(labels)}{tag}")
+    lines.append("entries: " + ", ".join(f"{n} {mode}" for mode, n in modes.items()) + f" ({len(entries)} in all)")
+    lines.append(f"compiled programs: {len(points) + len(extra_native)} ({len(points)} points, one program each"
+                 + (f", + {len(extra_native)} native points the chunk checks compare with" if extra_native else "")
+                 + "); nothing was run")
+    return lines
+
+
 def run(args) -> int:
     from .matrix import build_matrix
-    from .report import error_lines, format_table, status_line, summarise, table, write_reports
-    from .worker import run_points, timeout_from_env
+    from .report import (attach_reruns, error_lines, failure_lines, format_table, status_line, summarise, table,
+                         write_reports)
+    from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
 
-    _validate_run_args(args)
+    _validate_run_args(args, listing=args.list)
+    sample = "full" if args.full else args.sample
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
-                           sample="full" if args.full else args.sample, teachers=args.teachers,
-                           backends=args.backends)
+                           sample=sample, teachers=args.teachers, backends=args.backends)
     entries = _stage_entries(entries, args.impl)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
+    if args.list:
+        print("\n".join(selection_lines(entries, sample)))
+        return 0
     groups: dict[str, list] = {}
     for e in entries:
         groups.setdefault(e.group, []).append(e)
@@ -267,8 +314,11 @@ def run(args) -> int:
 
         progress = tqdm(total=len(entries), unit="entry", desc="parity", file=sys.stderr)
 
+    # A failed or errored record carries the command that reruns its point with this run's options.
+    rerun_timeout = None if timeout == DEFAULT_TIMEOUT else timeout
+
     def done(point, point_entries, point_records, wall):
-        records.extend(point_records)
+        records.extend(attach_reruns(point_records, args.reference, args.precision, rerun_timeout, fixtures_dir))
         walls.append((wall, point.label))
         if progress is not None:
             progress.update(len(point_entries))
@@ -306,7 +356,7 @@ def run(args) -> int:
         f"in {meta['wall_s']:.1f} s; " + status_line(summary) + f"; top-k ties excused: {summary['topk_excused_ties']}; "
         "worst ratio by dtype: " + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items())
     )
-    # issue 14 hook: headroom and not-applicable points, on every run
+    # headroom and not-applicable points, on every run
     from .report import HEADROOM_MARK, headroom_table
 
     hr_header, hr_rows = headroom_table(summary)
@@ -314,8 +364,8 @@ def run(args) -> int:
     print(format_table(hr_header, hr_rows))
     print(f"not applicable: {summary['not_applicable']} checks"
           + "".join(f"; {n} {reason}" for reason, n in summary["not_applicable_reasons"].items()))
-    for r in [r for r in records if r["status"] == "failed"][:20]:
-        print("FAIL", r["message"])
+    for line in failure_lines(records)[:20]:
+        print("FAIL", line)
     for line in error_lines(summary)[:20]:  # one line per error (a crash is one line, not one per quantity)
         print("ERROR", line)
     slowest = meta["points"]["slowest"]

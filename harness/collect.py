@@ -7,7 +7,7 @@
 `evaluate` is the three steps in one call; tests/test_parity_matrix.py, the CLI workers
 and the mutation worker all use it.
 
-A point the backend cannot compute (harness.platforms, issue 14) is collected as
+A point the backend cannot compute (harness.platforms) is collected as
 `Outputs(not_applicable=...)` without running anything: the judge reports it
 `not_applicable`, counted and listed, never passed.
 """

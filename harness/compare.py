@@ -77,7 +77,7 @@ class CheckResult:
     @property
     def failed(self) -> bool:
         """The check fails the run: a mismatch, or the implementation raised at the point
-        (`error`, issue 11). The matrix, the sharded slice and the mutation worker read this,
+        (`error`). The matrix, the sharded slice and the mutation worker read this,
         so an exception is never a pass."""
         return self.status in (FAILED, ERROR)
 
@@ -119,7 +119,7 @@ class CheckResult:
         return self.note
 
     def with_diagnosis(self, line: str) -> "CheckResult":
-        """This failed result with the first-diverging-stage line (issue 11) in its note and
+        """This failed result with the first-diverging-stage line in its note and
         its stats (`first_divergence`, also a field of the report's record)."""
         note = f"{self.note}; {line}" if self.note else line
         return dataclasses.replace(self, note=note, stats={**self.stats, "first_divergence": line})
@@ -202,7 +202,7 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
                     scale: str = "tensor", check: str = "oracle", order_error: float | None = None) -> CheckResult:
     """SPEC section 10: err(candidate) <= alpha * max(err(torch at the same dtype), floor).
 
-    `order_error` (issue 14): torch@t's worst error over K equivalent evaluation orders,
+    `order_error`: torch@t's worst error over K equivalent evaluation orders,
     stored in the fixture (harness.regenerate.order_errors); err(torch at t) is then the
     larger of it and the error of `torch_at_dtype` handed in."""
     t_err, _, _ = normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)

@@ -59,7 +59,7 @@ LOW_DTYPES = ("float32", "bfloat16", "float16")
 
 VERSION_KEYS = ("torch_version", "numpy_version", "csa_parity_version")
 
-# issue 14: per low dtype, the reference's own error against the float64 oracle is stored as
+# Per low dtype, the reference's own error against the float64 oracle is stored as
 # the max over K equivalent evaluation orders, `golden.<dtype>.orderr.<name>` (a float64
 # scalar), for the names the oracle checks compare (harness.judge): the forward values and the
 # dense and sparse-at-oracle loss and gradients. How they are computed: harness.regenerate.
@@ -151,7 +151,7 @@ def golden_schema(case: Case) -> dict[str, tuple[tuple[int, ...], str, str]]:
       pick), loss.dense and loss.sparse [] (wide), grad.dense.<param> and
       grad.sparse.<param> (wide, the parameter's shape).
     Per dtype in LOW_DTYPES, also the sparse loss and gradients with the float64
-    oracle's own top-k as `selection` (docs/API.md): loss.sparse_at_oracle,
+    oracle's own top-k as `selection` (docs/plugins.md): loss.sparse_at_oracle,
     grad.sparse_at_oracle.<param>; and orderr.<name> [] float64 for each name of
     ORDERR_QUANTITIES: the reference's worst error at that dtype over K evaluation orders
     (computed by harness.regenerate.order_errors).

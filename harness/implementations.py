@@ -11,7 +11,7 @@ The registry:
                 devices)
   torch_ref     the PyTorch reference, live (chunks ignored: it has none)
   goldens       the torch outputs stored in the fixture (no torch needed)
-  module[:factory]  a plug-in following docs/API.md (`CSAConfig`, `indexer_forward`,
+  module[:factory]  a plug-in following docs/plugins.md (`CSAConfig`, `indexer_forward`,
                 `indexer_loss_and_grads`, optionally `indexer_parity_bundle`)
 
 A plug-in may offer part of the protocol: without `indexer_loss_and_grads` it provides
@@ -111,7 +111,7 @@ def _canonical(forward, runs) -> dict[str, np.ndarray]:
 
 @dataclasses.dataclass(frozen=True)
 class ProtocolImplementation:
-    """jax_impl or a plug-in: anything with the names of docs/API.md."""
+    """jax_impl or a plug-in: anything with the names of docs/plugins.md."""
 
     name: str  # the spec it was loaded from, e.g. "jax" or "mypkg.kernels:make_impl"
     api: Any
@@ -226,7 +226,7 @@ def load_implementation(spec: str) -> ProtocolImplementation:
     lacking = [n for n in REQUIRED if not callable(getattr(api, n, None))]
     entry_points = [n for n in PROTOCOL[1:] if callable(getattr(api, n, None))]
     stage = getattr(api, "STAGE", None)
-    if stage is not None:  # issue 11: a stage plug-in, e.g. `STAGE = "scores"` and `scores(q, keys, head_weights)`
+    if stage is not None:  # a stage plug-in, e.g. `STAGE = "scores"` and `scores(q, keys, head_weights)`
         if stage not in STAGE_INPUTS:
             raise ImplementationError(f"implementation {spec!r}: STAGE={stage!r} is not a stage the harness "
                                       f"offers (valid: {', '.join(STAGE_INPUTS)})")
@@ -237,13 +237,13 @@ def load_implementation(spec: str) -> ProtocolImplementation:
     if lacking or not entry_points:
         missing = lacking + ([] if entry_points else ["indexer_forward or indexer_loss_and_grads"])
         raise ImplementationError(
-            f"implementation {spec!r} lacks {', '.join(missing)} (the protocol of docs/API.md: "
+            f"implementation {spec!r} lacks {', '.join(missing)} (the protocol of docs/plugins.md: "
             f"{', '.join(PROTOCOL)}; one of the two entry points may be left out)"
         )
     return ProtocolImplementation(spec, api)
 
 
-# --------------------------------------------------------------------------- stage plug-ins (issue 11)
+# --------------------------------------------------------------------------- stage plug-ins
 
 
 def stage_cotangent(shape) -> np.ndarray:

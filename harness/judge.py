@@ -11,7 +11,7 @@ whatever produced the arrays, the same rules judge them.
 
 For an entry (case, dtype t, chunks, mode, quantity) of implementation X:
   oracle     X@t vs the float64 oracle: <= alpha * max(err(reference@t), floor[t]), where
-             err(reference@t) is at least the stored order error (issue 14) and the floor
+             err(reference@t) is at least the stored order error and the floor
              at least sqrt(n) unit roundoffs of the problem's reduction length;
              for t = float64 the check is `exact64` instead (bound EXACT64).
   chunk      X@t chunked (head chunks, query chunks) vs X@t native (a sharded point: vs the

@@ -6,7 +6,7 @@ mistake a person could make in the judging code (harness/judge.py, compare.py, t
 collect.py, report.py, cli.py), with the exact source text it replaces (which must occur exactly
 once: a stale catalogue fails loudly, it never silently tests nothing) and the test of the suite
 that must catch it (`killing_test`, a pytest node id; the rules and their tests:
-tests/test_judge_rules.py, the table of them: docs/JUDGING.md).
+tests/test_judge_rules.py, the table of them: docs/judging.md).
 
 The committed source is never touched: `patch_copy` copies harness/ into a temporary directory
 and applies the text patch there; `run_tests` runs the named test in a pytest process of its own
@@ -57,7 +57,7 @@ class HarnessMutant:
     harness/<module>. `old` must occur exactly once in the module; `more` holds further
     (old, new) pairs of the same mistake in that module (same rule). `killing_test` is the
     pytest node id of the test that must fail on it; `rule` the judge's rule it breaks
-    (docs/JUDGING.md's row), `kind` which of KINDS it is."""
+    (docs/judging.md's row), `kind` which of KINDS it is."""
 
     name: str
     kind: str

@@ -1,54 +1,13 @@
 """The parity matrix as data (like PyTorch's OpInfo): which checks exist.
 
-A matrix entry is one (case, dtype, indexer chunk, teacher chunk, query chunk,
-mode, quantity): a `Point` (what an implementation runs) and what is judged at it. Tests and the CLI both read `build_matrix`; nothing else decides
-what runs.
+A matrix entry is one (case, dtype, indexer chunk, teacher chunk, query chunk, teacher,
+mode, quantity): a `Point` (what an implementation runs) and what is judged at it. Tests and
+the CLI both read `build_matrix`; nothing else decides what runs.
 
-Sampling (the full cross product, ~1400 compiled programs, would take most of an
-hour on 2 cores; the `full` sample restores it for a long run):
-- SWEEP_CASES (`small`, `flash_dims`: the head shapes that matter) sweep the
-  indexer chunk over 0 and EVERY divisor of HI (teacher chunk 0) in float32,
-  bfloat16 and float64, and over {0, 1, HI} in float16. This is the path with a
-  checkpointed scan and the projection inside it, where chunking can go wrong.
-- They sweep the teacher chunk over EVERY divisor of H (indexer chunk 0) in
-  float32 and float64: chunking the teacher only reorders wide-dtype sums of an
-  input-only softmax; the compute dtype only rounds the teacher inputs first,
-  which the float32 run already covers.
-- Every case (the layouts: packed, ragged, ties, ...) runs native and one
-  combined point with chunk 2 on both knobs (the second-smallest divisor: more
-  than one head per step and, beyond 2 heads, more than one step), in every
-  dtype: the layout logic is shared by both paths; the combined point checks
-  both scans against native on every layout.
-- Forward quantities (keys, scores, top-k) do not depend on the teacher chunk
-  or the loss mode: they are checked at teacher chunk 0 only, mode "forward".
-- Query chunks (issue #13, `qchunk`, 0 = all rows): the combined chunk point of every
-  case also walks the queries in blocks of a size that does not divide S (at least 2
-  blocks: the last block holds padding rows), and the sweep cases add two points with
-  query chunking alone, one dividing S and one not (each at least 2 blocks), in float32,
-  bfloat16 and float64 (the dtypes whose rounding differs; float16 runs the combined point).
-
-- Teachers: the joint teacher (SPEC section 8, the default) runs at every point above. The
-  compressed teacher runs on the cases whose fixture holds its goldens (`Case.teachers`:
-  tiny, small, packed, teacher_gap), loss modes only (the forward does not depend on the
-  teacher): the native point in every dtype and the combined chunk point in float32,
-  bfloat16 and float64 (default); the native point in float64 and bfloat16 and the combined
-  point in float32 on small and teacher_gap (ci); the joint teacher's chunk points (full). So both teachers are judged
-  dense, sparse and chunked in every sample, and in goldens mode (the fixture stores both).
-
-Three samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest):
-- `default` (the rules above; `csa-parity run` and `make parity`): 3875 entries, 221
-  compiled programs.
-- `ci` (what `make test` and `make test312` run, so that `.ci/run` stays under 20 minutes):
-  every case in every dtype natively (the jax-vs-torch verdict itself); the combined chunk
-  point (both head chunks and the non-dividing query chunk) of every case in two dtypes,
-  one narrow and one wide, rotated over the cases (not on the six joint-teacher cases, which
-  share one indexer and run natively); and on each sweep case every value class of every knob once (indexer
-  chunk 1 and HI, teacher chunk 1 and H, the dividing and the non-dividing query chunk
-  alone), the dtypes rotated so that each class runs in a different dtype on the two sweep
-  cases. 106 programs, 1912 entries. What it leaves out (every other divisor, each class in
-  every dtype) the default sample runs; in every CI run tests/test_grad_checks.py compares the
-  scoring's custom VJP with plain autodiff at every head-chunk divisor of a small problem.
-- `full`: the whole chunk cross product (about 1400 programs), for a long run.
+Three samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest): `default`
+(`csa-parity run`, `make parity`), `ci` (what `make test` runs: a subset of the default) and
+`full` (the whole chunk cross product). Which points each holds and why is docs/matrix.md;
+their sizes are `csa-parity run --list [--sample S]` and docs/FIGURES.md.
 """
 
 from __future__ import annotations
@@ -73,7 +32,7 @@ def divisors(n: int) -> list[int]:
 @dataclasses.dataclass(frozen=True, order=True)
 class Point:
     """What an implementation runs: one problem at one dtype with its run-time knobs
-    (indexer chunk, teacher chunk, query chunk (issue #13; 0 = all rows), and for sharded
+    (indexer chunk, teacher chunk, query chunk (0 = all rows), and for sharded
     runs the mesh (data, model)). One compiled program computes every mode and quantity of
     a point."""
 
@@ -176,7 +135,7 @@ def combined_pair(case: str) -> tuple[int, int]:
 
 def chunk_pairs(case: str, dtype: str, full: bool = False) -> list[tuple[int, int]]:
     """The (indexer chunk, teacher chunk) pairs of the default (or the full) sample for a
-    case and dtype (see the module doc)."""
+    case and dtype (docs/matrix.md)."""
     cfg = CASES[case].config
     hi, h = cfg["index_n_heads"], cfg["num_query_heads"]
     if full:
@@ -202,7 +161,7 @@ def query_chunk_sizes(seq_len: int) -> tuple[int, int]:
 
 def chunk_points(case: str, dtype: str, sample: str = "default") -> list[tuple[int, int, int]]:
     """The (indexer chunk, teacher chunk, query chunk) triples run for a case and dtype in a
-    sample (`ci`, `default`, `full`; see the module doc). The default: chunk_pairs, the
+    sample (`ci`, `default`, `full`; docs/matrix.md). The default: chunk_pairs, the
     combined pair with the non-dividing query chunk folded in, and on the sweep cases query
     chunking alone."""
     if sample not in SAMPLES:
@@ -221,11 +180,33 @@ def chunk_points(case: str, dtype: str, sample: str = "default") -> list[tuple[i
     return sorted(set(points))
 
 
-# The ci sample's rotations (module doc). Case k of the catalogue holds the combined point in
-# COMBINED_DTYPES[k % 4]. On sweep case j, value class c runs in one of the dtypes the default
-# sample sweeps that knob in, the (c + j)-th.
-COMBINED_DTYPES = (("bfloat16", "float32"), ("float16", "float64"), ("bfloat16", "float64"),
-                   ("float16", "float32"))
+# The ci sample's dtypes (docs/matrix.md), per case: (the dtypes of its native point, the dtypes of
+# its combined chunk point). A chunked point is judged against the native point of its own
+# dtype, so the combined dtypes are a subset of the native ones. Chosen so that every dtype runs
+# natively on 7 of the 14 cases beyond the sweep cases and holds the combined point of 2 of the
+# 8 original ones, and so that the mutation self-test's points (tiny, packed, sink_only and
+# yarn_tail in float64) are ci points whose programs the self-test loads from the run's
+# compilation cache. A case missing here is an error (tests/test_matrix_samples.py).
+CI_DTYPES = {
+    "tiny": (("float16", "float64"), ("float16",)),
+    "small": (DTYPES, ("float16", "float64")),
+    "packed": (("bfloat16", "float64"), ("float64",)),
+    "ragged": (("float16", "float32"), ("float32",)),
+    "no_blocks": (("bfloat16", "float32"), ("bfloat16",)),
+    "all_invalid": (("float16", "float32"), ("float16",)),
+    "topk_wide": (("bfloat16", "float32"), ("float32",)),
+    "ties": (("bfloat16", "float64"), ("bfloat16",)),
+    "flash_dims": (DTYPES, ("bfloat16", "float32")),
+    "window_only": (("float16", "float32"), ()),
+    "sink_only": (("bfloat16", "float64"), ()),
+    "window_one": (("float16", "float32"), ()),
+    "window_wide": (("bfloat16", "float64"), ()),
+    "window_heavy": (("float16", "float64"), ()),
+    "teacher_gap": (("bfloat16", "float32"), ()),
+    "yarn_tail": (("float16", "float64"), ("float64",)),
+}
+# On sweep case j, value class c runs in one of the dtypes the default sample sweeps that knob
+# in, the (c + j)-th.
 ICHUNK_DTYPES = ("float32", "bfloat16", "float64")
 # The cases that exist for the joint teacher (they share one small indexer): the ci sample runs
 # them natively only (every older case has a window and a sink too, so its combined point checks
@@ -235,11 +216,17 @@ TEACHER_CASES = ("window_only", "sink_only", "window_one", "window_wide", "windo
 
 def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
     """The ci sample's chunk triples for a case and dtype: a subset of the default sample's."""
+    if case not in CI_DTYPES:
+        raise ValueError(f"case={case!r} has no entry in harness.matrix.CI_DTYPES (the ci sample's dtypes "
+                         "per case): add one")
+    native, combined = CI_DTYPES[case]
+    if dtype not in native:
+        return []
     cfg = CASES[case].config
     hi, h = cfg["index_n_heads"], cfg["num_query_heads"]
     dividing, non_dividing = query_chunk_sizes(CASES[case].seq_len)
     points = [(0, 0, 0)]
-    if case not in TEACHER_CASES and dtype in COMBINED_DTYPES[list(CASES).index(case) % len(COMBINED_DTYPES)]:
+    if dtype in combined:
         points.append((*combined_pair(case), non_dividing))
     if case in SWEEP_CASES:
         j = SWEEP_CASES.index(case)
@@ -250,12 +237,13 @@ def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
     return sorted(set(points))
 
 
-# The compressed teacher's sample (module doc): its points on the cases whose fixture holds its
-# goldens (Case.teachers), per sample: (dtypes of the native point, dtypes of the combined point).
-COMPRESSED_SAMPLE = {"ci": (("float64", "bfloat16"), ("float32",)),
-                     "default": (DTYPES, ("float32", "bfloat16", "float64"))}
-# ci: the compressed teacher's combined point on these cases only (native on all four).
-COMPRESSED_CI_COMBINED = ("small", "teacher_gap")
+# The compressed teacher's sample (docs/matrix.md): its points on the cases whose fixture holds its
+# goldens (Case.teachers). default: the native point in every dtype, the combined point in
+# float32, bfloat16 and float64. ci: the native point in float64 and bfloat16, and the combined
+# point on two cases, in one of those (so its native point of the same dtype is in the sample).
+COMPRESSED_NATIVE = {"ci": ("float64", "bfloat16"), "default": DTYPES}
+COMPRESSED_COMBINED = {"ci": {"small": ("bfloat16",), "teacher_gap": ("float64",)},
+                       "default": {case: ("float32", "bfloat16", "float64") for case in CASES}}
 
 
 def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tuple[int, int, int]]:
@@ -266,9 +254,8 @@ def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tu
         return []
     if sample == "full":
         return chunk_points(case, dtype, sample)
-    native, combined = COMPRESSED_SAMPLE[sample]
-    points = [(0, 0, 0)] if dtype in native else []
-    if dtype in combined and (sample != "ci" or case in COMPRESSED_CI_COMBINED):
+    points = [(0, 0, 0)] if dtype in COMPRESSED_NATIVE[sample] else []
+    if dtype in COMPRESSED_COMBINED[sample].get(case, ()):
         points.append((*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1]))
     return points
 

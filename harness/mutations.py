@@ -1,4 +1,4 @@
-"""Mutation self-test of the harness (issue #5): does the matrix catch realistic mistakes?
+"""Mutation self-test of the harness: does the matrix catch realistic mistakes?
 
 `CATALOGUE` is data: one `Mutant` per single mistake a person could make in
 `jax_impl`, with the exact source text it replaces (which must occur exactly once:
@@ -23,7 +23,7 @@ damage is a chunk-vs-native difference above the tight `chunk` bound. The remove
 `jax.checkpoint` changes memory, not numbers: the worker's compile-only `memory`
 check (the analytic-floor bound of tests/test_memory.py) kills it.
 
-Issue 15 added mistakes that no committed case can reveal (a field every case leaves at one
+Some mistakes no committed case can reveal (a field every case leaves at one
 value: m = 4, norm_eps, rope_theta, loss_scale, head_dim == index_head_dim). Their entries name
 `problems`: pinned random problems of harness/random_configs.py, which the worker runs live
 against torch_ref (float64 exact and chunk checks), and `killing_test` names the test of the
@@ -70,7 +70,7 @@ PACKED64 = Point("packed", "float64")
 # only where XLA's fusion of the native program keeps excess precision that the chunked one
 # does not (measured: killed on small at chunks 2 and 8, survives every tiny bf16/f16 point).
 SMALL_BF16_ICHUNK = Point("small", "bfloat16", ichunk=2)
-# Query chunk 5 of tiny's S = 16 (issue #13): 4 blocks of 5, 5, 5, 1 rows, so the last block
+# Query chunk 5 of tiny's S = 16: 4 blocks of 5, 5, 5, 1 rows, so the last block
 # holds 4 padding rows; float64, where `exact64` and the `chunk` check against native see any
 # row out of place.
 TINY64_QCHUNK = Point("tiny", "float64", qchunk=5)
@@ -100,7 +100,7 @@ class Mutant:
     more: tuple[tuple[str, str], ...] = ()
     memory: bool = False
     # Pinned random problems (harness.random_configs.PINNED) to run as well, live against
-    # torch: for the mistakes that no committed case reveals (issue 15).
+    # torch: for the mistakes that no committed case reveals.
     problems: tuple[str, ...] = ()
     # The test of the suite that kills it (the matrix slice above is that test's subset).
     killing_test: str = "tests/test_parity_matrix.py"
@@ -399,7 +399,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "a plain astype for every cast down: XLA keeps excess precision inside fusions, so which "
         "bfloat16 roundings happen depends on fusion, and chunked and native differ",
     ),
-    # ------------------------------------------------------ beyond the committed cases (issue 15)
+    # ------------------------------------------------------ beyond the committed cases
     # Each mistake below is invisible on every committed case: with the config field at the one
     # value every case gives it (m = 4, norm_eps = 1e-6, rope_theta = 160000 (a float32 number),
     # head_dim == index_head_dim, loss_scale = 1) the mutated code computes the same numbers,

@@ -1,4 +1,4 @@
-"""Adversarial top-k inputs for the tie-aware comparison (issue 15), after vLLM's top-k tests:
+"""Adversarial top-k inputs for the tie-aware comparison, after vLLM's top-k tests:
 fixed high bits, random low bits, so that a low-precision implementation and the float64
 oracle may order a boundary group differently while both are right.
 

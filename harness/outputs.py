@@ -11,7 +11,7 @@ between an implementation and the judge):
 
 `<variant>` is one of LOSS_VARIANTS: `dense`, `sparse` (on the implementation's own
 top-k) and `sparse_at_oracle` (sparse, given the float64 oracle's top-k as `selection`,
-docs/API.md). A matrix entry's `mode` is one of MODES (`forward`, `dense`, `sparse`);
+docs/plugins.md). A matrix entry's `mode` is one of MODES (`forward`, `dense`, `sparse`);
 a `sparse` entry is judged on both sparse variants. Nothing else is called a mode.
 
 Pure data: no numpy computation, no framework, no fixture I/O (the judge imports this).
@@ -37,14 +37,14 @@ LOSS_QUANTITIES = ("loss", *(f"grad.{p}" for p in PARAM_NAMES), "input_grads")
 MODES = ("forward", "dense", "sparse")
 LOSS_VARIANTS = ("dense", "sparse", "sparse_at_oracle")
 
-# What a check can end in. Only the first three come from comparing numbers; `error` (issue
-# 11) is a point where a plug-in raised or returned something malformed: counted beside
+# What a check can end in. Only the first three come from comparing numbers; `error` is
+# a point where a plug-in raised or returned something malformed: counted beside
 # failed, and it fails the run as a failure does.
 PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE, ERROR = (
     "passed", "failed", "excused", "not_provided", "not_applicable", "error")
 STATUSES = (PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE, ERROR)
 
-# Stage plug-ins (issue 11): the stages a plug-in may provide alone (`STAGE = "scores"`),
+# Stage plug-ins: the stages a plug-in may provide alone (`STAGE = "scores"`),
 # the matrix mode of their entries and their quantities. `stage.scores` is the stage output
 # [B, S, W]; `stage_grad.scores.<input>` its vector-Jacobian product with the harness's fixed
 # cotangent (harness.implementations.stage_cotangent) with respect to q, keys, head_weights.
@@ -120,7 +120,7 @@ class Outputs:
     values: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
     missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
     not_applicable: str = ""
-    # issue 11: set when the implementation raised (or returned something malformed) at this
+    # Set when the implementation raised (or returned something malformed) at this
     # point: one line naming the implementation, the point and the exception; `values` empty.
     error: str = ""
     # Errors of single calls (name or prefix -> one line): a stage plug-in whose backward raised
@@ -179,7 +179,7 @@ class References:
     oracle: Outputs
     at_dtype: Outputs
     native: Outputs | None = None
-    # issue 14: the reference's worst error at the entry's dtype over K evaluation orders, per
+    # The reference's worst error at the entry's dtype over K evaluation orders, per
     # canonical name (stored in the fixture; empty when unknown), and the problem's sizes
     # {B, S, W, HI, DI, R, E, m} that the floors scaling with the reduction read
     # (harness.tolerance.reduction_length; None: no such floor).

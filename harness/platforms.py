@@ -1,4 +1,4 @@
-"""What each JAX backend computes, as data (issue 14), and which matrix points it cannot.
+"""What each JAX backend computes, as data, and which matrix points it cannot.
 
 One `Platform` row per backend (cpu, gpu, tpu): whether it has IEEE float64 and float16, and
 what each matmul precision means for a float32 matmul there (the mantissa its operands keep).
@@ -19,8 +19,8 @@ the CPU leg. XLA:TPU's DEFAULT precision rounds float32 matmul operands to bfloa
 significand, 7 bits stored) for one pass, HIGH takes three bfloat16 passes (~16 bits),
 HIGHEST six (float32). XLA:GPU's DEFAULT on Ampere and later uses TF32 (10 stored mantissa
 bits), HIGHEST true float32. XLA:CPU ignores the precision setting: every float32 matmul is
-true float32. Nothing here has been measured on an accelerator yet (no device was lent to
-issue 14); the first TPU/GPU run should confirm it.
+true float32. Nothing here has been measured on an accelerator yet; the first TPU/GPU run should
+confirm it (docs/platforms.md says how).
 
     python -m harness.platforms [--backend tpu]   # the table and the not-applicable points
 """

@@ -1,4 +1,4 @@
-"""Random whole problems (issue 15): one problem as one line of JSON, its data, and every check.
+"""Random whole problems: one problem as one line of JSON, its data, and every check.
 
 A `Problem` is a full config (every `CSAConfig` field, chunk knobs, `sparse_loss`,
 `loss_scale`), the batch and sequence sizes, the packed-document layout, a data seed and a

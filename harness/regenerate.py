@@ -77,7 +77,7 @@ def golden_tensors(problem: Problem, teachers=("joint",)) -> dict[str, np.ndarra
     return tensors
 
 
-# --------------------------------------------------------------------------- order errors (issue 14)
+# --------------------------------------------------------------------------- order errors
 # The reference's own error at dtype t, err(torch@t) vs the float64 oracle, is ONE draw of its
 # rounding: a lucky evaluation order can make it far smaller than an equally good
 # implementation's, and the SPEC section 10 bound alpha * err(torch@t) then becomes

@@ -13,16 +13,11 @@ from collections import defaultdict
 
 from .compare import CheckResult
 from .matrix import Entry, Point
-from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, kind_of
+from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, STAGE_MODE, kind_of
 
-# 2: "status" (one of harness.outputs.STATUSES) replaces "passed"; "mesh";
-#    summary["statuses"] counts each; headroom kinds are harness.outputs.kind_of's.
-# 3 (issue 11): status "error" and summary["errors"]; results carry "first_divergence"; mode
-#    "stage" and quantities stage.<stage> / stage_grad.<stage>.<input> for stage plug-ins.
-# 4: "timeout_s", "points" ({"total", "run", "wall_sum_s", "slowest": [[point, wall_s], ...]}) and "partial"
-#    (null, or {"reason", "points_run", "points_total"}: an interrupted run); summary
-#    "errors_by_point" ({point: {"checks", "quantities", "message"}}) and "errors_by_quantity".
-JSON_SCHEMA_VERSION = 4
+# parity.json's layout (docs/design.md lists every field; CHANGELOG.md says what each version
+# added). A reader that finds another version knows the fields may differ.
+JSON_SCHEMA_VERSION = 5
 COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "loss", "grad", "input_grads")
 
 
@@ -56,10 +51,72 @@ def record(entry: Entry, result: CheckResult) -> dict:
         "total": result.total,
         "excused_ties": int(result.stats.get("excused", 0)),
         "note": result.note,
-        # issue 11: where the computation first went wrong (failed entries, live reference)
+        # where the computation first went wrong (failed entries, live reference)
         "first_divergence": result.stats.get("first_divergence"),
         "message": result.message,
+        # the command that reruns just this entry's point (failed and errored records; set by
+        # `attach_reruns`, which knows the run's options)
+        "rerun": None,
     }
+
+
+def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", reference: str = "live",
+                  precision: str = "highest", timeout: float | None = None, fixtures_dir: str | None = None) -> str:
+    """The command line that reruns exactly `point` (in `mode`, when given) with the options
+    that change its outcome: the implementation, the reference, the matmul precision, a time
+    limit other than the default, and fixtures read from another directory
+    (CSA_PARITY_FIXTURES, set before the command). `--teachers` is named where the case holds
+    more than one teacher (else explicit chunks would run every teacher's point). A sharded
+    point (`mesh`) runs only under pytest (the device count is set before JAX starts), so its
+    command is the pytest selection of that point."""
+    import shlex
+
+    from .cases import CASES
+
+    if point.mesh is not None:
+        prefix = Entry(point, mode or "", "").id.rstrip("-")
+        return f"python -m pytest tests/sharded -n 0 -m sharded -k {shlex.quote(prefix)}"
+    env = f"CSA_PARITY_FIXTURES={shlex.quote(fixtures_dir)} " if fixtures_dir else ""
+    words = ["csa-parity", "run", "--cases", point.case, "--dtypes", point.dtype, "--ichunks", str(point.ichunk),
+             "--tchunks", str(point.tchunk), "--qchunks", str(point.qchunk)]
+    if mode and mode != STAGE_MODE:  # a stage plug-in's entries are not selected by --modes
+        words += ["--modes", mode]
+    if point.teacher != "joint" or len(CASES[point.case].teachers) > 1:
+        words += ["--teachers", point.teacher]
+    words += ["--impl", impl]
+    if reference != "live":
+        words += ["--reference", reference]
+    if precision != "highest":
+        words += ["--precision", precision]
+    if timeout is not None:
+        words += ["--timeout", f"{timeout:g}"]
+    return env + " ".join(shlex.quote(w) for w in words)
+
+
+def failure_text(entry: Entry, results, reference: str = "live", precision: str = "highest",
+                 fixtures_dir: str | None = None) -> str:
+    """A matrix test's failure message: the message of each failed or errored check of `entry`,
+    then the command that reruns its point (the CLI's `rerun:` line)."""
+    lines = [r.message for r in results if r.failed]
+    command = rerun_command(entry.point, entry.mode, entry.impl, reference, precision, fixtures_dir=fixtures_dir)
+    return "\n".join(lines + [RERUN + command])
+
+
+def record_point(rec: dict) -> Point:
+    """The `Point` a record was judged at."""
+    return Point(rec["case"], rec["dtype"], rec["ichunk"], rec["tchunk"], rec.get("qchunk", 0),
+                 tuple(rec["mesh"]) if rec.get("mesh") else None, rec.get("teacher", "joint"),
+                 rec.get("backend", "xla"))
+
+
+def attach_reruns(records: list[dict], reference: str = "live", precision: str = "highest",
+                  timeout: float | None = None, fixtures_dir: str | None = None) -> list[dict]:
+    """Set `rerun` on every failed or errored record (in place; returns the records)."""
+    for rec in records:
+        if _failed(rec):
+            rec["rerun"] = rerun_command(record_point(rec), rec["mode"], rec["impl"], reference, precision, timeout,
+                                         fixtures_dir)
+    return records
 
 
 def _finite_or_str(x: float):
@@ -86,8 +143,8 @@ def status_line(summary: dict) -> str:
     return ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in summary["statuses"].items())
 
 
-# issue 14: headroom. The worst ratio per (quantity kind, dtype), kinds as
-# harness.outputs.kind_of names them, and how many checks sit above 0.5.
+# Headroom: the worst ratio per (quantity kind, dtype), kinds as harness.outputs.kind_of names
+# them, and how many checks sit above 0.5 (a verdict near 1 is about one rounding from flipping).
 HEADROOM_MARK = 0.5
 
 
@@ -110,22 +167,21 @@ def headroom(records: list[dict]) -> dict:
 
 def point_label(rec: dict) -> str:
     """The label of a record's point (harness.matrix.Point.label)."""
-    return Point(rec["case"], rec["dtype"], rec["ichunk"], rec["tchunk"], rec.get("qchunk", 0),
-                 tuple(rec["mesh"]) if rec.get("mesh") else None, rec.get("teacher", "joint"),
-                 rec.get("backend", "xla")).label
+    return record_point(rec).label
 
 
 def errors_by(records: list[dict]) -> tuple[dict, dict]:
-    """({point: {"checks": n, "quantities": [...], "message": the error's line}}, {quantity: n})
-    over the `error` checks: one crash or one raise is one line per point, whatever it
-    owned. The message is the first error of the point (a point with two different errors
-    shows the first; parity.json has each)."""
+    """({point: {"checks": n, "quantities": [...], "message": the error's line, "rerun": command}},
+    {quantity: n}) over the `error` checks: one crash or one raise is one line per point,
+    whatever it owned. The message and the rerun command are the point's first error's (a
+    point with two different errors shows the first; parity.json has each)."""
     points: dict[str, dict] = {}
     quantities: dict[str, int] = {}
     for r in records:
         if r["status"] != ERROR:
             continue
-        row = points.setdefault(point_label(r), {"checks": 0, "quantities": [], "message": r["note"]})
+        row = points.setdefault(point_label(r), {"checks": 0, "quantities": [], "message": r["note"],
+                                                 "rerun": r.get("rerun")})
         row["checks"] += 1
         if r["quantity"] not in row["quantities"]:
             row["quantities"].append(r["quantity"])
@@ -133,14 +189,30 @@ def errors_by(records: list[dict]) -> tuple[dict, dict]:
     return points, quantities
 
 
+RERUN = "rerun: "  # what starts the line (terminal) or the clause (parity.md) holding the command
+
+
+def _error_text(row: dict) -> str:
+    qs = row["quantities"]
+    names = ", ".join(qs[:4]) + (f", ... ({len(qs)} quantities)" if len(qs) > 4 else "")
+    return f"{row['message']} ({row['checks']} check{'s' if row['checks'] != 1 else ''}: {names})"
+
+
+def _then_rerun(text: str, cmd: str | None) -> str:
+    """The terminal form: the command on a line of its own under the message."""
+    return text + (f"\n  {RERUN}{cmd}" if cmd else "")
+
+
 def error_lines(summary: dict) -> list[str]:
-    """One line per point with errors: '<message> (n checks: q1, q2, ...)'."""
-    out = []
-    for label, row in summary["errors_by_point"].items():
-        qs = row["quantities"]
-        names = ", ".join(qs[:4]) + (f", ... ({len(qs)} quantities)" if len(qs) > 4 else "")
-        out.append(f"{row['message']} ({row['checks']} check{'s' if row['checks'] != 1 else ''}: {names})")
-    return out
+    """One entry per point with errors: '<message> (n checks: q1, q2, ...)', then, on a line of
+    its own, the command that reruns the point (when the run attached one)."""
+    return [_then_rerun(_error_text(row), row.get("rerun")) for row in summary["errors_by_point"].values()]
+
+
+def failure_lines(records: list[dict]) -> list[str]:
+    """One entry per failed check: its message, then (when the run attached one) the command
+    that reruns its point on a line of its own."""
+    return [_then_rerun(r["message"], r.get("rerun")) for r in records if r["status"] == FAILED]
 
 
 def summarise(records: list[dict]) -> dict:
@@ -308,13 +380,16 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         format_table(header, rows, markdown=True),
         "",
     ]
-    errors = error_lines(summary)
+    def rerun(cmd):  # the markdown form: a clause at the end of the entry's line
+        return f"; {RERUN}`{cmd}`" if cmd else ""
+
+    errors = list(summary["errors_by_point"].values())
     if errors:
         lines += ["## Errors (one line per point: the implementation raised, crashed its worker or timed out)", ""]
-        lines += [f"- {line}" for line in errors[:200]] + [""]
+        lines += [f"- {_error_text(row)}{rerun(row.get('rerun'))}" for row in errors[:200]] + [""]
     failures = [r for r in records if r["status"] == FAILED]
     if failures:
-        lines += ["## Failures", ""] + [f"- `{r['id']}`: {r['message']}" for r in failures[:200]]
+        lines += ["## Failures", ""] + [f"- `{r['id']}`: {r['message']}{rerun(r.get('rerun'))}" for r in failures[:200]]
         if len(failures) > 200:
             lines.append(f"- ... and {len(failures) - 200} more (parity.json has all)")
     lines += ["", "![worst ratio per chunk size and dtype](parity_heatmap.png)", ""]
@@ -359,7 +434,7 @@ def heatmap(records: list[dict], path: str, summary: dict | None = None) -> None
     axes[0][0].set_ylabel("indexer chunk / teacher chunk", fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.9, ticks=edges[1:-1], label="error / bound")
     title = "csa-parity: worst error/bound per chunk size and dtype (<= 1 passes; white: not applicable)"
-    if summary is not None:  # issue 14 hook: the headroom in the title
+    if summary is not None:  # the headroom in the title
         worst = summary["headroom"]["worst_ratio"]
         per_kind = "; ".join(f"{k} " + " ".join(f"{d.replace('float', 'f')} {float(v):.2g}" for d, v in row.items())
                              for k, row in worst.items())

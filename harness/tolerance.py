@@ -9,8 +9,8 @@ Every figure quoted as "measured" below is re-measured by one command,
     python scripts/measure_tolerances.py          # [--quick]: fewer seeds and fixtures
 
 which reruns each measurement (random problems for CHUNK, the committed fixtures
-for the rest) and prints the worst value per entry next to its bound. Later issues
-that change a bound re-run it and update the figures here.
+for the rest) and prints the worst value per entry next to its bound. A change
+of a bound reruns it and updates the figures here.
 
 Tables are keyed by the numeric kinds of harness.outputs.kind_of: forward
 (compressed keys, scores), loss, grad. The top-k rule takes its score tolerance
@@ -59,7 +59,7 @@ FLOOR = {
 }
 
 
-# --- Floors that scale with the reduction (issue 14). A float32 result that is a sum of n
+# --- Floors that scale with the reduction. A float32 result that is a sum of n
 # rounded terms carries a random-walk error of about sqrt(n) unit roundoffs, whichever
 # implementation sums it, so an equally good JAX error can sit sqrt(n) u above a lucky torch
 # draw. The reductions are carried in float32 (the wide dtype) for every dtype but float64,
@@ -93,7 +93,7 @@ def reduction_length(quantity: str, dims: dict) -> int | None:
     return None
 
 
-# --- Precision profiles (issues 7, 14). Parity runs at `highest` matmul precision by default:
+# --- Precision profiles. Parity runs at `highest` matmul precision by default:
 # float32 matmuls are then true float32 on every platform, and the table above applies
 # unchanged. `default` is each backend's out-of-the-box float32 matmul: its operands keep
 # fewer mantissa bits (harness.platforms: TPU one bfloat16 pass, 7 stored bits; GPU TF32,
@@ -146,7 +146,7 @@ EXACT64 = 1e-12
 #   float32:  forward 2.4e-6, loss 1.9e-7, grad 5.1e-7
 #   bfloat16: forward 1.1e-6, loss 1.8e-7, grad 3.1e-3 (0.4 ulp(bf16))
 #   float16:  forward 8.7e-5, loss 7.7e-7, grad 5.5e-4 (0.6 ulp(f16))
-# Query chunks (issue #13, same bound) r = 16 and 21 on S = 64, same problems:
+# Query chunks (same bound) r = 16 and 21 on S = 64, same problems:
 #   float32:  forward 6.2e-7, loss 3.8e-7, grad 4.8e-7
 #   bfloat16: forward 0,      loss 4.4e-7, grad 4.4e-3 (0.57 ulp(bf16): each block's wq_b /
 #             weights_proj gradient is rounded at its bfloat16 cast, tests/test_query_chunk.py)
@@ -237,7 +237,7 @@ FIXTURE_CHECK_RTOL = {
     "bfloat16": 16 * 2.0 ** -8,
     "float16": 16 * 2.0 ** -11,
 }
-# A stored order error (golden.<dtype>.orderr.<name>, issue 14) is an error estimate, not a
+# A stored order error (golden.<dtype>.orderr.<name>) is an error estimate, not a
 # value: another CPU's kernels may move it by O(1) relative. --check flags a regeneration
 # when one moves by more than this factor.
 ORDERR_CHECK_FACTOR = 2.0
@@ -245,8 +245,9 @@ ORDERR_CHECK_FACTOR = 2.0
 
 # --- Memory of head chunking (tests/test_memory.py, the mutation self-test's `memory`
 # check and benchmarks/memory_speed.py, which read these: a test keeps them the same).
-# Chunk 1 holds at most MEMORY_FLOOR_FACTOR x its analytic floor (the issue's bound;
-# measured 1.83 x with jax.checkpoint around the scan body, 2.45 x without it).
+# Chunk 1 holds at most MEMORY_FLOOR_FACTOR x its analytic floor, the memory bound head
+# chunking must meet (measured 1.83 x with jax.checkpoint around the scan body, 2.45 x
+# without it: `python -m benchmarks.memory_speed`).
 MEMORY_FLOOR_FACTOR = 2.0
 # Per-head growth of temp memory with the chunk size: at most the floor's per-head cost
 # (or the largest earlier one) times this slack: room for XLA's buffer packing, while the

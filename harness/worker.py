@@ -41,7 +41,7 @@ from collections import deque
 
 # The time limit of one point when none is given (`csa-parity run --timeout`, CSA_PARITY_TIMEOUT
 # for pytest): a large multiple of the slowest single point measured on the 2-core CI machine
-# (README, "Crash isolation and time limits", says which and how), so that only a hang or a
+# (docs/running.md, "Crash isolation and time limits", says which and how), so that only a hang or a
 # pathological slowdown reaches it.
 DEFAULT_TIMEOUT = 600.0
 # How often one point is run again in a fresh worker after a crash or a time-out inside a

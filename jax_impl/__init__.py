@@ -11,7 +11,7 @@ from .config import DTYPES, CSAConfig, resolve_dtype
 from .module import CSAIndexer
 from .validate import PARAM_NAMES, checkify_inputs, validate_inputs, validate_params
 
-# The teachers this implementation computes (the harness's plug-in protocol, docs/API.md):
+# The teachers this implementation computes (the harness's plug-in protocol, docs/plugins.md):
 # both, by cfg.teacher_normaliser.
 TEACHERS = ("joint", "compressed")
 

@@ -1,4 +1,4 @@
-"""Public entry points (docs/API.md): indexer_forward, indexer_loss, indexer_loss_and_grads.
+"""Public entry points (docs/plugins.md): indexer_forward, indexer_loss, indexer_loss_and_grads.
 
 Each is traceable: it runs on concrete arrays (numpy or jax) AND inside `jax.jit`,
 `jax.grad`, `jax.vmap` (a leading batch of problems) and `shard_map`. First it checks the
@@ -60,14 +60,14 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))
 def _forward_jit(params, inputs, cfg, dtype_name):
-    if cfg.query_chunk:  # issue #13: the query-blocked path, assembled to the full outputs
+    if cfg.query_chunk:  # the query-blocked path, assembled to the full outputs
         return query_blocks.forward(params, inputs, cfg, dtype_name)
     keys, masked, _, topk = forward_parts(params, inputs, cfg, dtype_name)
     return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
 
 
 def _loss_core(params, float_inputs, int_inputs, selection, cfg, dtype_name):
-    if cfg.query_chunk:  # issue #13: the query-blocked training path
+    if cfg.query_chunk:  # the query-blocked training path
         return query_blocks.loss(params, float_inputs, int_inputs, selection, cfg, dtype_name)
     dtype, wide = resolve_dtype(dtype_name)
     inputs = {**float_inputs, **int_inputs}
@@ -142,7 +142,7 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     """The forward once, the three loss heads, and ONE backward pass through the indexer
     batched over the three loss cotangents (chain rule: d loss / d params = J^T d loss / d scores,
     J the Jacobian of the masked scores). A third of the program of three jax.grad calls."""
-    if cfg.query_chunk:  # issue #13: the query-blocked path, one loss-and-grads per mode
+    if cfg.query_chunk:  # the query-blocked path, one loss-and-grads per mode
         return query_blocks.parity_bundle(params, float_inputs, int_inputs, selection, cfg, dtype_name)
     dtype, wide = resolve_dtype(dtype_name)
 
@@ -180,7 +180,7 @@ def indexer_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, selection)
     {"forward": indexer_forward's dict, "dense" | "sparse" | "sparse_at_selection":
     (loss, param_grads, input_grads)}, the last with `selection` imposed. `cfg.sparse_loss`
     is ignored (all modes are computed). An optional extension of the protocol
-    (docs/API.md): it exists to compile once instead of four times per matrix point."""
+    (docs/plugins.md): it exists to compile once instead of four times per matrix point."""
     args = prepare_arguments(params, inputs, cfg, dtype, selection)
     return _bundle_jit(*args, cfg, dtype)
 

@@ -4,7 +4,7 @@ A frozen, hashable dataclass: it is passed to `jax.jit` as a static argument,
 so every shape it implies is static. Every bad field is a `ValueError` naming
 the field, the value, the rule and, where there is a finite set, the valid
 choices. The torch reference validates on its own with the same messages
-(docs/API.md); the two share no code.
+(docs/plugins.md); the two share no code.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The indexer and its loss on a device mesh: batch over a `data` axis, heads over a `model` axis.
 
-Same outputs as `indexer_forward` / `indexer_loss_and_grads` (docs/API.md), computed with
+Same outputs as `indexer_forward` / `indexer_loss_and_grads` (docs/plugins.md), computed with
 `jax.shard_map` so that every device runs the single-device pure functions on its own block:
 
   data axis   `hidden_states`, `q_latent`, ids, teacher inputs and `selection` are split by

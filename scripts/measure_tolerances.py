@@ -14,7 +14,7 @@ Sections (each names the table or comment it feeds):
             projection that the CHUNK comment counts.
   FLOOR     harness/tolerance.py FLOOR["float32"]["loss"]: the example of its comment (torch
             vs JAX float32 sparse loss on the `small` fixture, each against the float64 oracle).
-  ORDERS    the issue-14 bounds (order errors stored in the fixtures, sqrt(n) floors): the
+  ORDERS    the order-error bounds (order errors stored in the fixtures, sqrt(n) floors): the
             worst error / bound of the oracle checks per (kind, dtype), goldens mode, native
             points of the committed fixtures, and which term set that bound.
   FIXTURE_CHECK  harness/tolerance.py FIXTURE_CHECK_RTOL: JAX on the committed fixtures vs
@@ -217,7 +217,7 @@ def floor_section() -> None:
 
 def orders_section(cases, dtypes=DTYPES) -> None:
     backend = platforms.current_backend()
-    print(f"ORDERS (issue 14: stored order errors, sqrt(n) floors): oracle checks, goldens mode, native "
+    print(f"ORDERS (stored order errors, sqrt(n) floors): oracle checks, goldens mode, native "
           f"points of {len(cases)} fixtures, backend {backend}; worst error / bound per (kind, dtype)")
     worst: dict = {}
     counts: dict = {}

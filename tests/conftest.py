@@ -72,7 +72,7 @@ def pytest_addoption(parser):
                           "JSON a failing random problem prints)")
 
 
-# --- torch (issue 14): tests marked `torch` skip only on the leg without torch on purpose.
+# --- torch: tests marked `torch` skip only on the leg without torch on purpose.
 from needs import TORCH_SKIP, excused  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """The catalogues of bad configs and bad inputs, with the small problems they mutate, shared
 by tests/test_torch_ref.py and tests/test_torch_ref_teacher.py (the torch side) and
-tests/test_bad_inputs.py (both sides; the jax side needs no torch). Messages are identical on both sides by docs/API.md. numpy only:
+tests/test_bad_inputs.py (both sides; the jax side needs no torch). Messages are identical on both sides by docs/plugins.md. numpy only:
 `cfg` is either side's CSAConfig."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which tests need torch, and what happens where it is absent (issue 14).
+"""Which tests need torch, and what happens where it is absent.
 
 The Python 3.12 leg runs without torch ON PURPOSE and says so with CSA_PARITY_NO_TORCH=1:
 there, and only there, a test that needs torch skips with `TORCH_SKIP` (conftest prints how

@@ -1,4 +1,4 @@
-"""Bad input catalogue (issue #5): every bad input gets a clear error naming the field or
+"""Bad input catalogue: every bad input gets a clear error naming the field or
 file, the value and the rule, on the library API of both sides and on the CLI (exit code 2,
 exactly one line on stderr, no traceback); a legal input gets a correct result.
 
@@ -14,8 +14,8 @@ Already covered elsewhere, and not repeated here:
     unsupported dtype, an implementation that cannot be imported or lacks its factory, an
     unwritable report directory (tests/test_cli.py test_user_errors_exit_2_with_one_line).
 Here: the jax_impl side of those same catalogues (the messages are identical by
-docs/API.md, so they are imported, not copied), the entries the issue lists that neither
-side had, the value checks of a fixture (NaN / Inf / decreasing positions in a file whose
+docs/plugins.md, so they are imported, not copied), the entries neither catalogue
+holds, the value checks of a fixture (NaN / Inf / decreasing positions in a file whose
 sha matches: a fixture error, never a parity pass or failure), and the CLI side of every
 fixture error and of the remaining chunk errors.
 """
@@ -66,7 +66,7 @@ CHUNK_VALID = "(valid: 0, 1, 2, 4, 8)"
 
 # ----------------------------------------------------------------------------- config
 
-# Entries of the issue that test_torch_ref's CONFIG_ERRORS lacks; run on both sides.
+# Bad configs that test_torch_ref's CONFIG_ERRORS lacks; run on both sides.
 MORE_CONFIG_ERRORS = [
     (dict(loss_head_chunk=16), f"loss_head_chunk=16 must divide num_query_heads=8 {CHUNK_VALID}"),
     (dict(loss_head_chunk=-1), f"loss_head_chunk=-1 must divide num_query_heads=8 {CHUNK_VALID}"),
@@ -148,7 +148,7 @@ def _at(name, index, value):
     return mutate
 
 
-# Entries of the issue that test_torch_ref's INPUT_ERRORS lacks (same B=2, S=64 problem).
+# Bad inputs that test_torch_ref's INPUT_ERRORS lacks (same B=2, S=64 problem).
 MORE_INPUT_ERRORS = [
     (_at("teacher_query", (1, 5, 2, 0), np.nan), "inputs['teacher_query'] contains NaN/Inf at index (1, 5, 2, 0)"),
     (_at("q_latent", (0, 0, 0), np.inf), "inputs['q_latent'] contains NaN/Inf at index (0, 0, 0)"),
@@ -301,7 +301,7 @@ def test_jax_structure_error_is_the_same_line_when_traced(mutate, message):
 
 
 def test_jax_wrong_shape_under_jit_and_vmap_names_the_argument():
-    """The issue's case: a wrong shape inside jax.jit, and inside jax.vmap (where the rule
+    """A wrong shape inside jax.jit, and inside jax.vmap (where the rule
     applies to one problem of the stack), is one line naming the argument, shape and rule."""
     cfg = jax_impl.CSAConfig(**SMALL)
     params, inputs = make_params(cfg), make_inputs(cfg, 2, 64)
@@ -528,7 +528,7 @@ def test_cli_chunk_error(capfd, tmp_path, args, message):
 def test_cli_implementation_without_the_protocol(capfd, tmp_path):
     code, lines = _cli(capfd, ["run", "--impl", "json", "--no-progress", "--out", str(tmp_path)])
     _assert_user_error(code, lines, "implementation 'json' lacks CSAConfig, indexer_forward or "
-                                    "indexer_loss_and_grads (the protocol of docs/API.md")
+                                    "indexer_loss_and_grads (the protocol of docs/plugins.md")
 
 
 def _missing(d):

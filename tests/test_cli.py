@@ -36,11 +36,12 @@ def test_run_writes_reports_and_passes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tiny" in proc.stdout and "0 failed" in proc.stdout
     data = json.loads((out / "parity.json").read_text())
-    assert data["schema_version"] == 4 and data["reference"] == "live"
+    assert data["schema_version"] == 5 and data["reference"] == "live"
     statuses = data["summary"]["statuses"]
     assert list(statuses) == ["passed", "failed", "excused", "not_provided", "not_applicable", "error"]
     assert sum(statuses.values()) == data["summary"]["checks"] and statuses["failed"] == 0
     assert {r["status"] for r in data["results"]} <= {"passed", "excused"}
+    assert {r["rerun"] for r in data["results"]} == {None}  # only failed and errored records carry one
     assert data["platform"]["backend"] == "cpu" and data["platform"]["matmul_precision"] == "highest"
     assert data["summary"]["failed"] == 0 and data["summary"]["checks"] == len(data["results"])
     assert {r["dtype"] for r in data["results"]} == {"float64", "bfloat16"}

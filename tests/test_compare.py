@@ -1,5 +1,5 @@
 """Unit tests of the comparators on hand-built arrays: each must pass what is right and
-fail what is wrong (issue 4), and say so in assert_close's words."""
+fail what is wrong, and say so in assert_close's words."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Config-field audit (issue 15): every field of SPEC section 1 must take every value class that
+"""Config-field audit: every field of SPEC section 1 must take every value class that
 changes a code path somewhere in the suite, or a mistake that only another value reveals goes
 through green (the mutants of harness/mutations.py marked `problems=` are such mistakes).
 
@@ -175,8 +175,8 @@ def test_the_audit_walks_every_config_field():
 def test_every_value_class_of_the_field_is_exercised(field):
     required = AUDIT[field][0]
     if field not in config_fields():
-        pytest.skip(f"{field}: NOT YET IMPLEMENTED, not a CSAConfig field on both sides (issue 13 adds "
-                    f"it); once it exists the audit requires {sorted(required)} and the random "
+        pytest.skip(f"{field}: NOT YET IMPLEMENTED, not a CSAConfig field on both sides; "
+                    f"once it exists the audit requires {sorted(required)} and the random "
                     "tests draw it (tests/test_random_configs.py)")
     seen = seen_classes(field, [*committed_instances(), *pinned_instances()])
     missing = sorted(required - set(seen))

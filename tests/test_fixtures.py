@@ -535,7 +535,7 @@ def test_float64_reference_is_invariant_under_head_permutations(fixtures, name):
                 assert abs(float(loss) - float(g[key])) <= 1e-12 * abs(float(g[key])), key
 
 
-# --------------------------------------------------------------------------- order errors (issue 14)
+# --------------------------------------------------------------------------- order errors
 
 
 def test_order_errors_bound_the_stored_goldens_own_error(fixtures):

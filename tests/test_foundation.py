@@ -1,5 +1,5 @@
 """The foundation: JAX against the torch reference on random inputs, the one-program bundle
-against the entry points, gradient isolation and edge shapes (issue 2).
+against the entry points, gradient isolation and edge shapes.
 
 These tests use random problems made here, not the committed fixtures, so the
 two implementations are checked even before any fixture exists.
@@ -119,7 +119,7 @@ def _bundle(params, inputs, cfg, dtype):
 # every divisor of both head counts on `small` and `flash_dims` in every dtype, the ci sample
 # every value class of each knob (1, a proper divisor, all heads), and tests/test_grad_checks.py
 # compares the custom VJP with plain autodiff at every chunk size. A sweep of its own here
-# compiled 2 x (1 + every divisor) programs to repeat those: 27 s of the suite (issue 10).
+# would compile 2 x (1 + every divisor) programs to repeat those.
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -141,7 +141,7 @@ def test_gradient_reaches_only_the_six_parameters(side):
         for teacher in ("joint", "compressed"):  # SMALL has a window: the joint teacher reads every input
             c = dataclasses.replace(cfg, sparse_loss=sparse, teacher_normaliser=teacher)
             _, pg, ig = side.indexer_loss_and_grads(params, inputs, c, "float64")
-            # docs/API.md: a gradient for each float input the loss reads (all six under the
+            # docs/plugins.md: a gradient for each float input the loss reads (all six under the
             # joint teacher with a window; the compressed one reads neither joint input), and
             # an input it does not read is ignored, so has none.
             reads = {"hidden_states", "q_latent", "teacher_query", "teacher_kv"}

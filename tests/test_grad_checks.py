@@ -1,4 +1,4 @@
-"""issue 12: the derivatives, checked on their own.
+"""The derivatives, checked on their own.
 
 1. `jax.test_util.check_grads` (finite differences in float64, reverse mode, orders 1 and 2)
    on the custom VJP of the scoring (`scoring.head_contribution`) and on the dense loss with

@@ -124,20 +124,20 @@ def test_the_test_process_imports_the_copy(tmp_path):
 
 
 def test_the_judging_doc_names_every_mutant_and_only_real_tests():
-    """docs/JUDGING.md's table: every mutant of the catalogue appears, and every test and
+    """docs/judging.md's table: every mutant of the catalogue appears, and every test and
     mutant it names exists."""
     import re
 
-    doc = (ROOT / "docs" / "JUDGING.md").read_text()
+    doc = (ROOT / "docs" / "judging.md").read_text()
     rows = [line for line in doc.splitlines() if line.startswith("| ") and "`test_" in line]
     named_tests = {t for row in rows for t in re.findall(r"`(test_\w+)`", row)}
     named_mutants = {m for row in rows for m in re.findall(r"`([a-z0-9_]+)`", re.split(r"(?<!\\)\|", row)[3])}
     functions = _test_functions(ROOT / "tests" / "test_judge_rules.py")
-    assert named_tests <= functions, f"docs/JUDGING.md names tests that do not exist: {sorted(named_tests - functions)}"
+    assert named_tests <= functions, f"docs/judging.md names tests that do not exist: {sorted(named_tests - functions)}"
     names = {m.name for m in CATALOGUE}
-    assert named_mutants == names, (f"docs/JUDGING.md and the catalogue disagree: missing from the doc "
+    assert named_mutants == names, (f"docs/judging.md and the catalogue disagree: missing from the doc "
                                     f"{sorted(names - named_mutants)}, unknown {sorted(named_mutants - names)}")
     for m in CATALOGUE:  # the row naming a mutant names its killing test
         test = m.killing_test.split("::", 1)[1]
         assert any(f"`{m.name}`" in row and f"`{test}`" in row for row in rows), \
-            f"docs/JUDGING.md: no row names both {m.name} and its killing test {test}"
+            f"docs/judging.md: no row names both {m.name} and its killing test {test}"

@@ -8,7 +8,7 @@ and the exact64 bound are SPEC's numbers (below), the per-dtype floors and the c
 read from harness/tolerance.py's tables (data), and the sqrt(n) floors are derived here from
 the problem's sizes. So a rule that goes soft (a bound multiplied, a scale taken over the wrong
 axis, a NaN ignored, a tie excused too widely) fails the test named after it, and the failure
-message names the rule. docs/JUDGING.md lists every rule with its test and the harness mutant
+message names the rule. docs/judging.md lists every rule with its test and the harness mutant
 (harness/judge_mutations.py) that proves the test can fail.
 
 Pure numpy: no JAX program, no torch (the CLI test replaces the worker pool, the platform

@@ -1,7 +1,7 @@
 """Import independence: jax_impl never sees torch, torch_ref never sees JAX; only the
 harness sees both. Checked statically (every import statement of every module) and
 dynamically (a fresh interpreter imports one side and must not have loaded the other).
-Inside the harness (issue 10): the judge imports no runner, fixture or framework module,
+Inside the harness: the judge imports no runner, fixture or framework module,
 and the fixture format neither torch nor the code under test."""
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ PROJECT = {"jax_impl", "torch_ref", "harness", "benchmarks", "examples"}
 
 
 def _private_imports(path: Path) -> list[str]:
-    """`from <project module> import _name` and relative `from .x import _name` (issue 12: the
-    benchmark reached for api._loss_core, sharded for api._forward_core / _prepare)."""
+    """`from <project module> import _name` and relative `from .x import _name`: a room's
+    private names may change without notice to the rooms that would reach for them."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
@@ -83,8 +83,8 @@ def _private_imports(path: Path) -> list[str]:
 
 
 def test_nothing_private_is_imported_across_modules():
-    # torch_ref is left out: its reference.py imports config._as_tensor, a room of its own
-    # that issue 12 does not touch (known, listed in the issue-12 report).
+    # torch_ref is left out: its reference.py imports config._as_tensor from its own config
+    # module, one room (the reference) split over two files.
     scanned = ("jax_impl", "harness", "benchmarks", "examples", "tests", "scripts")
     files = [p for d in scanned for p in sorted((ROOT / d).rglob("*.py"))]
     offenders = {str(p.relative_to(ROOT)): _private_imports(p) for p in files}

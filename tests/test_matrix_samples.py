@@ -1,7 +1,8 @@
 """The matrix's samples (harness/matrix.py): the `ci` sample that `make test` and
-`make test312` run is a subset of the default sample that still holds every case in every dtype natively, the
-combined chunk point of every case (one narrow and one wide dtype), and every value class of
-every chunk knob on each sweep case. Cheap: no JAX, no compilation."""
+`make test312` run is a subset of the default sample that still holds every case natively in a
+narrow and a wide dtype (every dtype on half the cases), the combined chunk point of every case
+beyond the joint-teacher ones, and every value class of every chunk knob on each sweep case.
+Cheap: no JAX, no compilation."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections import Counter
 import pytest
 
 from harness.cases import CASES
-from harness.matrix import (DTYPES, SAMPLES, SWEEP_CASES, TEACHER_CASES, Point, build_matrix, chunk_points, combined_pair,
+from harness.matrix import (CI_DTYPES, DTYPES, SAMPLES, SWEEP_CASES, TEACHER_CASES, Point, build_matrix, chunk_points, combined_pair,
                             query_chunk_sizes)
 
 NARROW, WIDE = ("bfloat16", "float16"), ("float32", "float64")
@@ -29,23 +30,44 @@ def test_ci_is_a_subset_of_default_and_default_of_full():
     assert ci < default < full
 
 
-def test_ci_runs_every_case_in_every_dtype_natively():
+def test_ci_runs_every_case_natively_in_a_narrow_and_a_wide_dtype():
+    """Every case in at least one narrow and one wide dtype, the sweep cases in all four, and
+    every dtype on at least 7 of the other 14 cases: a case missing from CI_DTYPES is an error."""
+    assert set(CI_DTYPES) == set(CASES)
     native = {(p.case, p.dtype) for p in _points("ci") if not p.chunked}
-    assert native == {(c, d) for c in CASES for d in DTYPES}
-
-
-def test_ci_holds_the_combined_point_of_every_case_in_a_narrow_and_a_wide_dtype():
-    """But the six joint-teacher cases (one shared indexer), which run natively only in ci."""
     per_dtype = Counter()
+    for case in CASES:
+        dtypes = {d for c, d in native if c == case}
+        assert dtypes & set(NARROW) and dtypes & set(WIDE), (case, dtypes)
+        if case in SWEEP_CASES:
+            assert dtypes == set(DTYPES), (case, dtypes)
+        else:
+            per_dtype.update(dtypes)
+    assert min(per_dtype[d] for d in DTYPES) >= 7, per_dtype
+
+
+def test_ci_holds_the_combined_point_of_every_case_in_a_dtype_it_runs_natively():
+    """But the six joint-teacher cases (one shared indexer), which run natively only in ci. The
+    combined point's chunk checks compare it with the native point of its own dtype, which the
+    sample holds; every dtype holds at least 3 combined points, the sweep cases' included."""
+    per_dtype = Counter()
+    ci = _points("ci")
     for case in CASES:
         combined = (*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1])
         dtypes = {d for d in DTYPES if combined in chunk_points(case, d, "ci")}
         if case in TEACHER_CASES:
             assert not dtypes and combined in chunk_points(case, "float64", "default"), (case, dtypes)
             continue
-        assert dtypes & set(NARROW) and dtypes & set(WIDE), (case, dtypes)
+        assert dtypes, case
         per_dtype.update(dtypes)
-    assert min(per_dtype[d] for d in DTYPES) >= 4, per_dtype
+    assert min(per_dtype[d] for d in DTYPES) >= 3, per_dtype
+    assert all(p.native in ci for p in ci if p.chunked)
+
+
+def test_a_case_without_ci_dtypes_is_one_clear_error(monkeypatch):
+    monkeypatch.delitem(CI_DTYPES, "tiny")
+    with pytest.raises(ValueError, match=r"case='tiny' has no entry in harness.matrix.CI_DTYPES"):
+        build_matrix(sample="ci")
 
 
 @pytest.mark.parametrize("case", SWEEP_CASES)
@@ -71,21 +93,21 @@ def test_the_two_sweep_cases_run_each_class_in_different_dtypes():
         assert dtype_of(SWEEP_CASES[0], cls) != dtype_of(SWEEP_CASES[1], cls), cls
 
 
-def test_ci_is_about_half_the_default_in_compiled_programs():
-    """The point of the sample: .ci/run under 25 minutes. The joint teacher: ci 16 cases x 4
-    dtypes native + the combined point in 2 dtypes on the 10 cases beyond the 6 joint-teacher
-    ones + 6 knob classes on each of the 2 sweep cases = 64 + 20 + 12 = 96; default 193 (137 on
-    the first 9 cases, + 7 x 4 x 2 on the joint teacher's 7). The compressed teacher on its 4
-    cases (tiny, small, packed, teacher_gap): ci native in float64 and bfloat16 + the combined
-    point in float32 on small and teacher_gap = 10; default native in 4 + combined in 3 = 28. Entries: 19
-    per joint point without teacher chunk (3 forward + 2 modes x 8), 16 with one or with the
-    compressed teacher."""
+def test_ci_is_about_a_third_of_the_default_in_compiled_programs():
+    """The point of the sample: .ci/run under 25 minutes. The joint teacher: ci 16 cases x 2
+    native dtypes + 2 more on each of the 2 sweep cases + the combined point on the 10 cases
+    beyond the 6 joint-teacher ones (2 dtypes on the sweep cases) + 6 knob classes on each sweep
+    case = 32 + 4 + 12 + 12 = 60; default 193 (137 on the first 9 cases, + 7 x 4 x 2 on the joint
+    teacher's 7). The compressed teacher on its 4 cases (tiny, small, packed, teacher_gap): ci
+    native in float64 and bfloat16 + the combined point on small and teacher_gap = 10; default
+    native in 4 + combined in 3 = 28. Entries: 19 per joint point without teacher chunk (3
+    forward + 2 modes x 8), 16 with one or with the compressed teacher."""
     ci, default = _points("ci"), _points("default")
-    assert len(ci) == 106 and len(default) == 221
-    assert Counter(p.teacher for p in ci) == {"joint": 96, "compressed": 10}
+    assert len(ci) == 70 and len(default) == 221
+    assert Counter(p.teacher for p in ci) == {"joint": 60, "compressed": 10}
     assert Counter(p.teacher for p in default) == {"joint": 193, "compressed": 28}
-    assert len(build_matrix(sample="ci", backends=["xla"])) == 1912 and len(build_matrix(backends=["xla"])) == 3875
-    assert len(ci) / len(default) < 0.6
+    assert len(build_matrix(sample="ci", backends=["xla"])) == 1252 and len(build_matrix(backends=["xla"])) == 3875
+    assert len(ci) / len(default) < 0.35
 
 
 @pytest.mark.parametrize("sample", ["ci", "default"])
@@ -103,6 +125,7 @@ def test_the_compressed_teacher_runs_where_its_goldens_are(sample):
                     and (e.point.ichunk, e.point.tchunk, e.point.qchunk)
                     == (*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1])}
         assert native & set(NARROW) and native & set(WIDE), (case, native)
+        assert combined <= native, (case, combined, native)  # its chunk checks need the native point
         if combined:
             with_combined.add(case)
     # ci: the combined point on two of them (small, teacher_gap); default: on every one

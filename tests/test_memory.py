@@ -1,10 +1,10 @@
-"""Compile-only memory checks of head chunking (issue #6).
+"""Compile-only memory checks of head chunking.
 
 XLA's compiled memory analysis is deterministic for a given program and XLA version, so
 these are not timing tests: nothing runs, nothing is allocated. The full measurement at the
-issue's shapes is `python -m benchmarks.memory_speed` (see benchmarks/README.md).
+benchmark's shapes is `python -m benchmarks.memory_speed` (see docs/benchmarks.md).
 
-The shape keeps the issue's proportions where they matter: HI*DI / W = 2 (the issue: 4),
+The shape keeps the benchmark's proportions where they matter: HI*DI / W = 2 (the benchmark: 4),
 so an all-heads q [B, S, HI, DI] is two [B, S, W] arrays, large enough to see.
 A = B*S*W*4 bytes is one [B, S, W] float32 array (4 MiB here).
 """
@@ -42,7 +42,7 @@ def _mib(n):
 def test_chunk_one_is_below_native_by_the_expected_factor():
     # The factor. Native differentiates all HI heads at once: its backward holds the
     # [B, S, HI, W] logits and their cotangent, 2*HI*A, and that is a lower bound on its
-    # temp. Chunk 1 is allowed (issue #6) at most twice its analytic floor, 2*(3A + 2*q_1)
+    # temp. Chunk 1 is allowed at most twice its analytic floor, 2*(3A + 2*q_1)
     # with q_1 = B*S*DI*4 the chunk's queries. So native / chunk-1 >= 2*HI*A / (2*floor_1),
     # 4.9 here (HI = 16); without the scan (or with the chunk's logits kept across the
     # backward) it falls towards 1.

@@ -1,4 +1,4 @@
-"""Mutation self-test (issue #5): the parity matrix must catch every mistake of
+"""Mutation self-test: the parity matrix must catch every mistake of
 harness/mutations.py's catalogue, and pass on the unmutated code.
 
 Each mutant is applied to a temporary copy of jax_impl/ (never the committed source) and
@@ -11,12 +11,12 @@ Cost: one forked process per test and one compiled program per point (2-4 s); th
 workers share a JAX persistent compilation cache, so a chunking mutant reuses the clean
 native program. Measured on the 2-core machine: `pytest tests/test_mutations.py -n 2`
 ~100 s CPU (forked workers included: the fork server is reaped at session end), ~52 s wall.
-Issue 15's 8 mutants beyond the committed cases each run one pinned random problem live
+The 8 mutants beyond the committed cases each run one pinned random problem live
 against torch (harness/random_configs.py): measured 108 CPU-s for the 8 (10-13 s each). The
 clean run here covers the matrix points only: the clean pass of the kernel check is
 tests/test_pallas.py::test_the_kernel_check_passes_on_the_committed_code, and of those 4 problems
 is tests/test_random_configs.py::test_pinned_problem[NAME], the same `check_problem` on the same
-source, which `make test` runs beside this file (running it here too cost 29 s, issue 10).
+source, which `make test` runs beside this file (running it here too would cost about 29 s).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_catalogue_is_complete():
 
 
 def test_every_stage_has_a_mutant_beyond_the_committed_cases():
-    """Issue 15: each stage has a mistake that only a pinned random problem reveals."""
+    """Each stage has a mistake that only a pinned random problem reveals."""
     beyond = {m.stage for m in CATALOGUE if m.problems and not m.points}
     assert beyond == set(STAGES), sorted(set(STAGES) - beyond)
 

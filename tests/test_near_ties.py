@@ -1,4 +1,4 @@
-"""Near-tie inputs (issue 15): the tie-aware top-k comparison (harness.compare.topk_sets) must
+"""Near-tie inputs: the tie-aware top-k comparison (harness.compare.topk_sets) must
 excuse only true boundary ties, in bfloat16 and float32, and a planted off-by-one selection
 beside a tie must still fail. Each test reports how many ties it excused (printed, and as the
 JUnit property `excused_ties`).

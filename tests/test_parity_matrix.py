@@ -1,9 +1,10 @@
-"""The parity matrix (issue 4): one test per entry of harness.matrix, ids like
+"""The parity matrix: one test per entry of harness.matrix, ids like
 `small-bfloat16-ichunk2-tchunk0-sparse-grad.indexer.wq_b`.
 
 One pass from the id to the arrays: `collect` runs the implementation and the reference
 at the entry's point (harness.implementations, cached per process), `judge` compares the
-arrays it is handed (harness.judge). Failed fails the test; passed and excused pass;
+arrays it is handed (harness.judge). Failed (or errored) fails the test, and its message ends with the `csa-parity run` command
+that reruns the entry's point; passed and excused pass;
 an entry wholly not provided or not applicable skips with its reason (pytest counts and
 lists it: never passed, never silently dropped).
 
@@ -15,7 +16,7 @@ against the fixture goldens (the JAX-only mode, no torch needed).
 Precision: CSA_PARITY_PRECISION=highest (default) or default, the JAX matmul
 precision and the tolerance profile (harness/tolerance.py) together.
 Sample: CSA_PARITY_SAMPLE=default (the default: what `csa-parity run` runs), ci (what
-`make test` runs: a subset, harness/matrix.py says which) or full.
+`make test` runs: a subset, docs/matrix.md says which) or full.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from harness.collect import collect, policy
 from harness.judge import judge
 from harness.matrix import SAMPLES, build_matrix
 from harness.outputs import NOT_APPLICABLE, NOT_PROVIDED
+from harness.report import failure_text
 
 REFERENCE = os.environ.get("CSA_PARITY_REFERENCE", "live")
 PROFILE = os.environ.get("CSA_PARITY_PRECISION", "highest")  # conftest sets JAX's matmul precision to match
@@ -47,8 +49,8 @@ def _param(entry):
 def test_parity(entry):
     outputs, references = collect(entry, REFERENCE)
     results = judge(entry, outputs, references, policy(PROFILE))
-    failures = [r.message for r in results if r.failed]
-    assert not failures, "\n".join(failures)
+    assert not any(r.failed for r in results), failure_text(entry, results, REFERENCE, PROFILE,
+                                                            os.environ.get("CSA_PARITY_FIXTURES"))
     unjudged = [r.message for r in results if r.status in (NOT_PROVIDED, NOT_APPLICABLE)]
     if unjudged and len(unjudged) == len(results):
         pytest.skip("; ".join(unjudged))

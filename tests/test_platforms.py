@@ -1,4 +1,4 @@
-"""Platform capabilities as data (issue 14): harness/platforms.py, the `not applicable` status
+"""Platform capabilities as data: harness/platforms.py, the `not applicable` status
 in collect, judge and reports, and the per-backend `default` tolerance profile. No torch needed."""
 
 from __future__ import annotations

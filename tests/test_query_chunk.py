@@ -1,4 +1,4 @@
-"""Query chunking (issue #13, SPEC section 7): the training path walks the query axis in
+"""Query chunking (SPEC section 7): the training path walks the query axis in
 blocks of `query_chunk = r` rows and must equal the unblocked path up to the order of
 wide-dtype sums, for r that divides S and r that does not (the last block's padding rows
 never valid, never counted, never returned), S < r, r = 1, head chunks nested inside, dense,
@@ -191,7 +191,7 @@ def _shapes_with(hlo_text: str, dim: int):
 # Compile-only (nothing allocated). Narrow heads (HI = H = 4, DI = D = 16) and a long sequence
 # (S = 16384, W = 4096), so that W >> every per-row width: then the blocked program's arrays
 # that grow with S only (the compressor's [B, S, 2*DI] projections and their gradients,
-# per-row outputs) are small next to one [B, S, W] array, as at the issue's shapes
+# per-row outputs) are small next to one [B, S, W] array, as at the benchmark's shapes
 # (DI = 128, W = 8192 at S = 32768). A = one [B, S, W] float32 = 256 MiB.
 MEM_SHAPE = dict(emb_dim=32, q_lora_rank=32, index_n_heads=4, index_head_dim=16, rope_head_dim=8,
                  compress_ratio=4, index_topk=16, num_query_heads=4, head_dim=16)

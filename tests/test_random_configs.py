@@ -1,4 +1,4 @@
-"""Random whole problems, property-based (issue 15): every config field, shape and layout the
+"""Random whole problems, property-based: every config field, shape and layout the
 fixed catalogue cannot reach, float64 JAX vs float64 torch at the exactness bound and chunked
 vs native at the chunk bound, forward, loss and gradients (harness/random_configs.py judges).
 

@@ -1,4 +1,4 @@
-"""Issue 11: stage plug-ins, partial plug-ins, a plug-in that raises, and the first diverging
+"""Stage plug-ins, partial plug-ins, a plug-in that raises, and the first diverging
 stage of planted mistakes in a copy of jax_impl."""
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ def test_a_plugin_that_raises_on_one_case_does_not_stop_the_run(tmp_path):
     assert errors and all(r["status"] == "error" for r in errors)
     assert ("plug-in plugins.stage_plugins:raising raised in indexer_forward at small float32 ichunk=0 tchunk=0: "
             "ValueError: shape mismatch in my kernel") in errors[0]["message"]
+    rerun = ("csa-parity run --cases small --dtypes float32 --ichunks 0 --tchunks 0 --qchunks 0 --modes forward "
+             "--teachers joint --impl plugins.stage_plugins:raising")
+    assert {r["rerun"] for r in errors} == {rerun}
+    assert "ERROR plug-in plugins.stage_plugins:raising raised in indexer_forward" in proc.stdout
+    assert f"\n  rerun: {rerun}\n" in proc.stdout
 
 
 # One planted mistake per stage in a copy of jax_impl: (file, old, new, entry mode, quantity, expected line).

@@ -360,7 +360,7 @@ def test_gradient_reaches_params_only(sparse, dtype, teacher):
     params, inputs = make_params(cfg), make_inputs(cfg, 2, 64, docs=[30, 34])
     loss, pg, ig = indexer_loss_and_grads(params, inputs, cfg, dtype)
     assert set(pg) == set(PARAMS)
-    # docs/API.md: a gradient, 0, for each float input the loss reads: all six under the joint
+    # docs/plugins.md: a gradient, 0, for each float input the loss reads: all six under the joint
     # teacher with a window, the sink but not the window keys without one; the compressed
     # teacher reads neither joint input (given, ignored).
     reads = {"hidden_states", "q_latent", "teacher_query", "teacher_kv"}

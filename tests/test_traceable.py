@@ -1,4 +1,4 @@
-"""issue 12: jax_impl used the way JAX code is used. The public functions under jax.jit,
+"""jax_impl used the way JAX code is used. The public functions under jax.jit,
 jax.grad, jax.vmap (a leading batch of problems) and shard_map, and the NNX layer under
 nnx.jit / nnx.grad / nnx.value_and_grad / nnx.vmap with an optax nnx.Optimizer; each result
 against the concrete call.
@@ -199,15 +199,24 @@ def test_layer_validate_checks_values_on_the_host(problem):
         jax_impl.CSAIndexer(CFG, dtype="int8", rngs=nnx.Rngs(0))
 
 
-def test_readme_section_runs_as_written():
-    """The "Use it in your model" section of README.md, executed as it stands."""
+def _python_block(path: str, heading: str) -> str:
+    """The first ```python block under `heading` (up to the next heading of its level)."""
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("## Use it in your model"):]
-    section = section[: section.index("\n## ", 3)]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    namespace = {"__name__": "readme"}
-    exec(compile(code, "README.md: Use it in your model", "exec"), namespace)
-    assert namespace["scores"].shape == (2, 32, 8)
+    text = (pathlib.Path(__file__).resolve().parent.parent / path).read_text()
+    level = heading.split(" ", 1)[0]
+    section = text[text.index(heading + "\n"):]
+    rest = section.find(f"\n{level} ", len(heading))
+    section = section[:rest] if rest > 0 else section
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.parametrize("path,heading", [("README.md", "## Use the layer in your model"),
+                                          ("docs/layer.md", "## The pure functions and the NNX layer")])
+def test_the_docs_snippets_run_as_written(path, heading):
+    """The layer snippets of README.md and docs/layer.md, executed as they stand."""
+    code = _python_block(path, heading)
+    namespace = {"__name__": "snippet"}
+    exec(compile(code, f"{path}: {heading}", "exec"), namespace)
+    assert namespace["scores"].shape[-3:] == (2, 32, 8)

@@ -1,4 +1,4 @@
-"""issue 12: the indexer trained by its dense KL loss (examples/train_indexer.py), and head
+"""The indexer trained by its dense KL loss (examples/train_indexer.py), and head
 chunking changing memory, never training.
 
 100 plain-SGD steps (lr 0.05) on the example's small problem (B=2, S=64, HI=8, H=8, W=16),

@@ -1,6 +1,6 @@
-"""The GitHub workflows (issue 7): .github/workflows/tpu-parity.yml and ci.yml.
+"""The GitHub workflows: .github/workflows/tpu-parity.yml and ci.yml.
 
-- Structure: the triggers, paths, runner labels, permissions, pins and artifacts the issue asks for.
+- Structure: the triggers, paths, runner labels, permissions, pins and artifacts the workflows must have.
 - Lint: the GitHub workflow JSON schema (check-jsonschema's vendored copy) and zizmor's
   security audits, offline; skipped with a reason where the tool is not installed.
 - The TPU job's own shell steps, run here with JAX_PLATFORMS=cpu and tiny selections through
@@ -96,7 +96,7 @@ def test_tpu_commands(tpu):
     assert "scripts/regenerate_fixtures.py --check" in runs["check"]
     assert re.search(r'python -m pytest -n "\$PYTEST_WORKERS" --junitxml=', runs["matrix"])
     assert "csa-parity run" in runs["report"] and '--jobs "$PARITY_JOBS"' in runs["report"]
-    # Random configurations (issue 15): the nightly hypothesis profile except on pull requests.
+    # Random configurations: the nightly hypothesis profile except on pull requests.
     assert "$RANDOM_ARGS" in runs["random"] and "tests/test_random_configs.py" in job["env"]["RANDOM_ARGS"]
     assert "'nightly'" in job["env"]["HYPOTHESIS_PROFILE"] and "'ci'" in job["env"]["HYPOTHESIS_PROFILE"]
     assert "install -c constraints.txt hypothesis" in runs["install"]
@@ -246,7 +246,7 @@ def test_tpu_step_runs_on_cpu(step, tmp_path):
 
 
 def test_python312_leg_fails_with_one_line_when_no_python312_is_found(tmp_path):
-    """Issue 14: the jax 0.12 leg must never pass silently for want of a Python 3.12."""
+    """The jax 0.12 leg must never pass silently for want of a Python 3.12."""
     make = shutil.which("make")
     if make is None:
         pytest.skip("make is not installed")

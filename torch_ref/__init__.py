@@ -1,6 +1,6 @@
 """PyTorch reference (the oracle) of the DeepSeek-V4 CSA lightning indexer and its KL loss.
 
-See SPEC.md §5-8 for the math and docs/API.md for the protocol. Knows nothing of JAX.
+See SPEC.md §5-8 for the math and docs/plugins.md for the protocol. Knows nothing of JAX.
 """
 
 from .config import DTYPES, CSAConfig, resolve_dtype, validate_inputs, validate_params

@@ -1,6 +1,6 @@
 """Configuration, dtype names and input checks of the torch reference.
 
-The config rules and their messages are the contract of docs/API.md: the JAX
+The config rules and their messages are the contract of docs/plugins.md: the JAX
 side raises the same text for the same mistake. This module knows nothing of
 JAX; the math lives in `reference.py`.
 """

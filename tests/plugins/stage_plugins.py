@@ -1,4 +1,4 @@
-"""Plug-ins for tests/test_stages.py (issue 11): a forward-only one, scoring kernels with
+"""Plug-ins for tests/test_stages.py: a forward-only one, scoring kernels with
 planted bugs, and one that raises on one case."""
 
 from __future__ import annotations

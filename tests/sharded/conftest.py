@@ -1,4 +1,4 @@
-"""The sharded slice (issue 7): the indexer and its loss on a mesh of 8 simulated CPU devices.
+"""The sharded slice: the indexer and its loss on a mesh of 8 simulated CPU devices.
 
 XLA reads `--xla_force_host_platform_device_count` once, when JAX starts its CPU backend, so
 this slice runs in a pytest process of its own (`.ci/run`):
@@ -53,7 +53,7 @@ def skip_reason() -> str | None:
 def pytest_configure(config):
     # Also registered in pyproject.toml; repeated here so the slice runs under --strict-markers
     # from any checkout.
-    config.addinivalue_line("markers", "sharded: the multi-device (simulated CPU mesh) slice of issue 7")
+    config.addinivalue_line("markers", "sharded: the multi-device (simulated CPU mesh) slice")
 
 
 def pytest_collection_modifyitems(config, items):

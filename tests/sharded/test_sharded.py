@@ -1,4 +1,4 @@
-"""The sharded slice (issue 7): `jax_impl.sharded` on a (data x model) mesh of simulated CPU
+"""The sharded slice: `jax_impl.sharded` on a (data x model) mesh of simulated CPU
 devices against single-device `jax_impl` (tight) and against the float64 oracle goldens of
 the fixtures (the matrix rule), forward and gradients, plus the mesh-split errors.
 
@@ -45,6 +45,7 @@ from harness.compare import compare_close, to_numpy
 from harness.fixtures import load_case
 from harness.matrix import Point as HPoint
 from harness.matrix import entries_at
+from harness.report import failure_text
 from harness.tolerance import EXACT64, chunk_bound
 from jax_impl import sharded
 
@@ -154,8 +155,7 @@ def test_sharded_entry(entry):
     `chunk` checks are sharded vs single-device (CHUNK bound), oracle checks the matrix rule."""
     results = evaluate(entry, reference="goldens")
     assert results and not any(r.status == "not_applicable" for r in results), [r.message for r in results]
-    failures = [r.message for r in results if r.failed]
-    assert not failures, "\n".join(failures)
+    assert not any(r.failed for r in results), failure_text(entry, results, "goldens")
 
 
 def test_sharded_outputs_are_laid_out_on_the_mesh():
@@ -270,7 +270,7 @@ def test_inputs_are_validated_before_the_mesh():
 
 
 def test_public_loss_and_grads_run_inside_shard_map():
-    """issue 12: jax_impl.indexer_loss_and_grads is traceable, so a user can put it inside their
+    """jax_impl.indexer_loss_and_grads is traceable, so a user can put it inside their
     own shard_map: here over a `data` axis of 2 devices, each device's loss of its batch row,
     pmean-ed (small: every row has the same number of valid tokens, so the mean of the per-row
     losses is the loss). Against the single-device call, the float64 bound of this file."""
