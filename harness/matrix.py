@@ -314,22 +314,21 @@ def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None
     """All entries. None = the sample's choice (`sample`: ci, default or full); explicit
     `ichunks` / `tchunks` / `qchunks` replace the sampled chunk points of every case by their
     cross product (a missing one counts as [0]). `teachers` (default: both) picks the teachers;
-    the compressed one runs only on the cases that hold its goldens. `backends` picks the scoring
-    backends; pallas runs its own sample (`pallas_points`), or the explicit chunks when it is
-    named. Default: both for the JAX implementation when the chunk points are sampled; xla
-    alone for a plug-in or an explicit chunk selection."""
+    the compressed one runs only on the cases that hold its goldens. `backends` (default: xla)
+    picks the scoring backends; pallas runs its own sample (`pallas_points`), or the explicit
+    chunks. tests/test_parity_matrix.py asks for both; `csa-parity run --backends xla,pallas`."""
     for t in teachers or ():
         if t not in TEACHERS:
             raise ValueError(f"teacher={t!r} is not supported (valid: {', '.join(TEACHERS)})")
     for b in backends or ():
         if b not in BACKENDS:
             raise ValueError(f"backend={b!r} is not supported (valid: {', '.join(BACKENDS)})")
-    explicit = ichunks is not None or tchunks is not None or qchunks is not None
-    entries = [] if "pallas" not in (backends or (BACKENDS if impl == "jax" and not explicit else ())) else [
-        e for e in _build(cases, dtypes, ichunks, tchunks, modes, impl, qchunks, sample, ("joint",), "pallas")
-        if "joint" in (teachers or TEACHERS)]
-    if backends is None or "xla" in backends:
-        entries = _build(cases, dtypes, ichunks, tchunks, modes, impl, qchunks, sample, teachers, "xla") + entries
+    backends = backends or ("xla",)
+    entries = []
+    if "xla" in backends:
+        entries += _build(cases, dtypes, ichunks, tchunks, modes, impl, qchunks, sample, teachers, "xla")
+    if "pallas" in backends and "joint" in (teachers or TEACHERS):
+        entries += _build(cases, dtypes, ichunks, tchunks, modes, impl, qchunks, sample, ("joint",), "pallas")
     return entries
 
 

@@ -83,6 +83,8 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
         words += ["--modes", mode]
     if point.teacher != "joint" or len(CASES[point.case].teachers) > 1:
         words += ["--teachers", point.teacher]
+    if point.backend != "xla":  # explicit chunks select XLA points unless the backend is named
+        words += ["--backends", point.backend]
     words += ["--impl", impl]
     if reference != "live":
         words += ["--reference", reference]

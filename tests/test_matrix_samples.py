@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from harness.cases import CASES
-from harness.matrix import (CI_DTYPES, DTYPES, SAMPLES, SWEEP_CASES, TEACHER_CASES, Point, build_matrix, chunk_points, combined_pair,
+from harness.matrix import (BACKENDS, CI_DTYPES, DTYPES, SAMPLES, SWEEP_CASES, TEACHER_CASES, Point, build_matrix, chunk_points, combined_pair,
                             query_chunk_sizes)
 
 NARROW, WIDE = ("bfloat16", "float16"), ("float32", "float64")
@@ -154,8 +154,8 @@ def test_the_pallas_backend_runs_its_own_small_sample():
     assert len(pallas["default"]) == 27 and {p.case for p in pallas["default"] if not p.chunked} == set(CASES)
     assert all(p.teacher == "joint" and p.native == dataclasses.replace(p, backend="xla") for p in pallas["full"])
     assert all(Point.parse(p.spec()) == p and "backend=pallas" in p.label for p in pallas["default"])
-    assert {e.point.backend for e in build_matrix(sample="ci")} == {"xla", "pallas"}
-    assert {e.point.backend for e in build_matrix(sample="ci", impl="plugins.x:y")} == {"xla"}
+    assert {e.point.backend for e in build_matrix(sample="ci")} == {"xla"}  # the default
+    assert {e.point.backend for e in build_matrix(sample="ci", backends=BACKENDS)} == {"xla", "pallas"}
     with pytest.raises(ValueError, match=r"backend='triton' is not supported \(valid: xla, pallas\)"):
         build_matrix(backends=["triton"])
 

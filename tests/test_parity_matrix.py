@@ -16,7 +16,8 @@ against the fixture goldens (the JAX-only mode, no torch needed).
 Precision: CSA_PARITY_PRECISION=highest (default) or default, the JAX matmul
 precision and the tolerance profile (harness/tolerance.py) together.
 Sample: CSA_PARITY_SAMPLE=default (the default: what `csa-parity run` runs), ci (what
-`make test` runs: a subset, docs/matrix.md says which) or full.
+`make test` runs: a subset, docs/matrix.md says which) or full. Both scoring backends: the
+pallas backend's own sample of points (`csa-parity run --backends xla,pallas`) on top.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pytest
 
 from harness.collect import collect, policy
 from harness.judge import judge
-from harness.matrix import SAMPLES, build_matrix
+from harness.matrix import BACKENDS, SAMPLES, build_matrix
 from harness.outputs import NOT_APPLICABLE, NOT_PROVIDED
 from harness.report import failure_text
 
@@ -45,7 +46,7 @@ def _param(entry):
     return pytest.param(entry, id=entry.id, marks=marks)
 
 
-@pytest.mark.parametrize("entry", [_param(e) for e in build_matrix(sample=SAMPLE)])
+@pytest.mark.parametrize("entry", [_param(e) for e in build_matrix(sample=SAMPLE, backends=BACKENDS)])
 def test_parity(entry):
     outputs, references = collect(entry, REFERENCE)
     results = judge(entry, outputs, references, policy(PROFILE))
