@@ -157,6 +157,13 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "every dtype's chunk check read from the bfloat16 row: float32 chunked-vs-native 2.5-20x looser",
     ),
     HarnessMutant(
+        "backend_at_the_chunk_bound", "bound", "judge.py",
+        '        return "xla", policy.backend_bound',
+        '        return "xla", policy.chunk',
+        _rules("test_a_pallas_point_is_judged_against_the_xla_path_at_the_backend_bound"), "xla bound",
+        "a pallas point judged against the XLA path at the looser CHUNK bound (10x in float32's forward)",
+    ),
+    HarnessMutant(
         "stage_alpha_of_gradients", "bound", "judge.py",
         'base, policy.alpha("compressed_keys"),',
         'base, policy.alpha("grad.stage"),',
