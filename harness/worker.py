@@ -253,12 +253,14 @@ class _Worker:
 def _start(init: dict) -> _Worker:
     w = _Worker(init)
     while not w.ready:  # JAX imports here; a worker that cannot start is a harness failure
+        closed = False
         if w.conn.poll(1.0):
             try:
                 w.ready = w.conn.recv()[0] == "ready"
-            except EOFError:
-                pass
-        if not w.ready and not w.proc.is_alive() and not w.conn.poll():
+            except (EOFError, OSError):  # its end of the pipe closed: it died, or is dying
+                closed = True
+                w.proc.join(5)
+        if not w.ready and (closed or (not w.proc.is_alive() and not w.conn.poll())):
             w.kill()
             raise RuntimeError(f"a csa-parity worker could not start ({describe_exit(w.proc.exitcode)}); "
                                "its stderr says why")

@@ -20,6 +20,7 @@ import pytest
 from harness import report as report_module
 from harness.collect import evaluate
 from harness.matrix import Entry, Point
+from harness.worker import run_points
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.torch
@@ -212,3 +213,14 @@ def test_a_bad_timeout_is_one_line(tmp_path):
                            "--out", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "csa-parity: error: --timeout=0 must be a number of seconds > 0"
+
+
+def test_a_worker_that_cannot_start_is_one_clear_error_not_a_wait():
+    """A worker that dies before it is ready (here: a matmul precision JAX refuses) closes its
+    pipe; the parent stops waiting at once and says so in one line."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"a csa-parity worker could not start \(worker exited with code 1\)"):
+        run_points([[(Point("tiny", "float32"), [])]], "live", "highest",
+                   {"precision": "no-such-precision", "fixtures_dir": None, "sys_path": list(sys.path)}, 1, 60.0,
+                   lambda *a: None)
+    assert time.monotonic() - start < 60
