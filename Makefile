@@ -77,7 +77,7 @@ SAMPLE312 ?= ci
 DTYPES312 ?= float64,bfloat16
 TEST312_FILES := tests/test_bad_inputs.py tests/test_cases.py tests/test_cli.py tests/test_compare.py \
 	tests/test_judge.py tests/test_judge_rules.py tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
-	tests/test_traceable.py tests/test_grad_checks.py tests/test_training.py
+	tests/test_traceable.py tests/test_grad_checks.py tests/test_training.py tests/test_pallas.py
 # One compilation cache for both steps: the CLI tests load the tiny programs the run compiled.
 test312: $(STAMP312)
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
