@@ -38,31 +38,36 @@ venv312: $(STAMP312)
 parity: $(STAMP)
 	$(BIN)/csa-parity run
 
-# The whole suite: fixtures --check, then two pytest processes side by side: the tests on
-# the ci sample of the matrix (SAMPLE=default or full for more; harness/matrix.py says what
-# each holds), and beside it the random configurations and the query-chunk tests (a process
-# of their own: under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in
-# each file; run alone, both pass) followed by the sharded slice (8 simulated devices, set
-# before JAX starts), and the judge's mutation self-test (one pytest start per mutant, no JAX
-# program). The side process's output is printed whole when both have ended; the
-# target fails if either does. Each pytest is one process (XDIST=0): on this project's
-# 2-core CI machine two xdist workers were slower than one process (the ties/tiny/ragged
-# slice: 172 s with -n 2, 134 s with -n 0), while two separate processes get through ~1.35x
-# the work of one; XDIST=auto where there are more cores. --durations keeps where the time
-# goes in the CI log.
+# The whole suite, in two processes side by side (each pytest one process). The main one: the
+# tests on the ci sample of the matrix (SAMPLE=default or full for more; docs/matrix.md says
+# what each holds), the matrix first. Beside it: fixtures --check, then the implementation's
+# mutation self-test (its mutants recompile the programs they change: the main process's
+# compilation cache would save it little), the random configurations and the query-chunk tests
+# (a process of their own: under xdist XLA:CPU's compiler segfaulted on query-blocked
+# programs, once in each file; run alone, both pass), the judge's mutation self-test (one
+# pytest start per mutant, no JAX program) and crash isolation; then the sharded slice (8
+# simulated devices, set before JAX starts). The split keeps the two about even on the 2-core
+# CI machine (`.ci/run`'s log prints each one's time). The side process's output is printed
+# whole when both have ended; the target fails if either does. XDIST=0: on 2 cores two xdist
+# workers were slower than one process (the ties/tiny/ragged slice: 172 s with -n 2, 134 s with
+# -n 0), while two separate processes get through ~1.35x the work of one; XDIST=auto where
+# there are more cores. --durations keeps where the time goes in the CI log.
 SAMPLE ?= ci
 XDIST ?= 0
+SIDE_TESTS := tests/test_mutations.py tests/test_random_configs.py tests/test_query_chunk.py \
+	tests/test_judge_mutations.py tests/test_isolation.py
 test: $(STAMP)
-	$(BIN)/python scripts/regenerate_fixtures.py --check
-	@side=$$(mktemp); \
-	{ $(BIN)/python -m pytest tests/test_random_configs.py tests/test_query_chunk.py tests/test_judge_mutations.py \
-		tests/test_isolation.py -n 0 --durations=10 && \
-	  $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; } >"$$side" 2>&1 & pid=$$!; \
+	@side=$$(mktemp); t0=$$(date +%s); \
+	{ $(BIN)/python scripts/regenerate_fixtures.py --check && \
+	  $(BIN)/python -m pytest $(SIDE_TESTS) -n 0 --durations=10 && \
+	  $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; \
+	  rc=$$?; echo "=== make test: the side process ended after $$(( $$(date +%s) - t0 )) s"; exit $$rc; } \
+		>"$$side" 2>&1 & pid=$$!; \
 	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest -n $(XDIST) --durations=25 \
-		--ignore=tests/test_random_configs.py --ignore=tests/test_query_chunk.py \
-		--ignore=tests/test_judge_mutations.py --ignore=tests/test_isolation.py; main=$$?; \
+		$(foreach f,$(SIDE_TESTS),--ignore=$(f)); main=$$?; \
+	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: random configurations, query chunks, judge mutations, crash isolation, sharded slice (run beside the tests above)"; \
+	echo "=== make test: fixtures --check, mutation self-tests, random configurations, query chunks, crash isolation, sharded slice (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
