@@ -29,7 +29,7 @@ def _csv(kind):
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from . import regenerate
     from .matrix import SAMPLES
 
@@ -376,7 +376,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "run":
             return run(args)

@@ -103,7 +103,7 @@ def test_a_plugins_run_arguments_are_checked_without_jax_impl(tmp_path):
     plugin.write_text("class CSAConfig(dict):\n    from_dict = classmethod(lambda cls, d: cls(d))\n\n"
                       "def indexer_forward(params, inputs, cfg, dtype):\n    raise NotImplementedError\n")
     code = ("import sys; from harness import cli; "
-            "args = cli._parser().parse_args(['run', '--impl', 'numpy_plugin', '--cases', 'small', '--ichunks', '2', "
+            "args = cli.build_parser().parse_args(['run', '--impl', 'numpy_plugin', '--cases', 'small', '--ichunks', '2', "
             "'--qchunks', '5', '--no-progress', '--out', sys.argv[1]]); "
             "cli._validate_run_args(args); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'jax_impl'); "

@@ -265,13 +265,13 @@ def test_a_report_says_the_kernels_ran_in_interpret_mode():
 def test_the_rerun_command_of_a_pallas_point_selects_exactly_that_point():
     import shlex
 
-    from harness.cli import _parser
+    from harness.cli import build_parser
     from harness.report import rerun_command
 
     point = Point("tiny", "float64", 2, 2, 5, backend="pallas")
     words = shlex.split(rerun_command(point, "dense"))
     assert "--backends" in words
-    args = _parser().parse_args(words[1:])
+    args = build_parser().parse_args(words[1:])
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
                            sample=args.sample, teachers=args.teachers, backends=args.backends)
     assert {e.point for e in entries} == {point}
