@@ -282,6 +282,15 @@ _CATALOGUE = (
                    "69968..69999, past original_max_position = 65536: the interpolated slow "
                    "frequencies turn by radians, so a reversed ramp or an mscale shows in every "
                    "dtype"),
+    Case("packed_edges", _teacher(sliding_window=6), batch=2, seq_len=32, seed=1017,
+         documents=((16, 16), (14, 4, 14)),
+         exercises="document boundaries at the device edges of a sequence split over seq=2 "
+                   "(edge at token 16) or seq=4 (8, 16, 24): row 0's second document starts "
+                   "exactly on the edge at 16 (the pooling halo from the previous device is "
+                   "another document's block: no a-slot carry-over, and the window stops at "
+                   "the edge); row 1's documents start at 14 and 18, inside blocks 3 and 4, the "
+                   "two blocks beside that edge (both straddle a boundary, never valid; block "
+                   "4's halo block 3 belongs to another document)"),
 )
 
 CASES: Mapping[str, Case] = MappingProxyType({c.name: c for c in _CATALOGUE})

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import worker
 from .compare import to_numpy
-from .matrix import Point
+from .matrix import Point, mesh_text, seq_split_reason
 from .outputs import FORWARD_QUANTITIES, LOSS_VARIANTS, PARAM_NAMES, STAGE_INPUTS, Outputs, all_names
 from .worker import WorkerCrash
 
@@ -190,20 +190,23 @@ class ProtocolImplementation:
         import jax
         from jax.sharding import Mesh
 
-        data, model = point.mesh
-        n = data * model
+        data, seq, model = point.mesh
+        n = data * seq * model
+        why = seq_split_reason(point.case, seq)
+        if why:
+            return Outputs(self.name, not_applicable=why)
         if jax.device_count() < n:
             return Outputs(self.name, not_applicable=(
                 f"not applicable on {jax.default_backend()} with {jax.device_count()} device(s): mesh "
-                f"{data}x{model} needs {n} (run the sharded slice in its own process: pytest tests/sharded)"))
-        mesh = Mesh(np.array(jax.devices()[:n]).reshape(point.mesh), ("data", "model"))
+                f"{mesh_text(point.mesh)} needs {n} (run the sharded slice in its own process: pytest tests/sharded)"))
+        mesh = Mesh(np.array(jax.devices()[:n]).reshape(point.mesh), ("data", "seq", "model"))
         cfg = self.config(run_config(problem.config, point, False))
         with worker.stage(f"{self.name} sharded_parity_bundle", point.label):
             raw = sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype, mesh,
                                                 problem.oracle_selection)
             runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
             values = _canonical(raw["forward"], runs)
-        return Outputs(f"{self.name} mesh {data}x{model}", values, self.missing(point))
+        return Outputs(f"{self.name} mesh {mesh_text(point.mesh)}", values, self.missing(point))
 
 
 def load_implementation(spec: str) -> ProtocolImplementation:

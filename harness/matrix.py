@@ -29,19 +29,38 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def mesh_text(mesh: tuple[int, int, int]) -> str:
+    """A mesh (data, seq, model) as `DxSxM`, e.g. `2x2x2`."""
+    return "x".join(map(str, mesh))
+
+
+def seq_split_reason(case: str, seq: int) -> str | None:
+    """Why `case` cannot run with its sequence split over `seq` devices, or None: each device
+    must hold a stretch of whole blocks (S/seq tokens, a multiple of m; jax_impl.sharded)."""
+    if seq <= 1:
+        return None
+    c = CASES[case]
+    m = c.config["compress_ratio"]
+    if c.seq_len % seq == 0 and (c.seq_len // seq) % m == 0:
+        return None
+    valid = [p for p in divisors(c.seq_len) if (c.seq_len // p) % m == 0]
+    return (f"not applicable: case {case} (S={c.seq_len}, m={m}) does not split into whole blocks over "
+            f"seq={seq} devices (S/seq must be a multiple of m; valid seq sizes: {', '.join(map(str, valid))})")
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class Point:
     """What an implementation runs: one problem at one dtype with its run-time knobs
     (indexer chunk, teacher chunk, query chunk (0 = all rows), and for sharded
-    runs the mesh (data, model)). One compiled program computes every mode and quantity of
-    a point."""
+    runs the mesh (data, seq, model): batch rows, token rows and heads split over that many
+    devices each). One compiled program computes every mode and quantity of a point."""
 
     case: str
     dtype: str
     ichunk: int = 0
     tchunk: int = 0
     qchunk: int = 0
-    mesh: tuple[int, int] | None = None
+    mesh: tuple[int, int, int] | None = None
     # The teacher of the loss (SPEC section 8): "joint" (DeepSeek-V4's attention) or "compressed".
     teacher: str = "joint"
     # jax_impl's scoring code (config `scoring_backend`): "xla", or "pallas" (the Pallas kernels;
@@ -66,26 +85,35 @@ class Point:
     @property
     def label(self) -> str:
         q = f" qchunk={self.qchunk}" if self.qchunk else ""
-        mesh = f" mesh={self.mesh[0]}x{self.mesh[1]}" if self.mesh else ""
+        mesh = f" mesh={mesh_text(self.mesh)}" if self.mesh else ""
         teacher = f" teacher={self.teacher}" if self.teacher != "joint" else ""
         backend = f" backend={self.backend}" if self.backend != "xla" else ""
         return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q}{mesh}{teacher}{backend}"
 
     def spec(self) -> str:
-        """`case:dtype:ichunk:tchunk[:qchunk[:teacher[:backend]]]` (a command-line form; see `parse`)."""
-        pallas = self.backend != "xla"
-        tail = [str(self.qchunk)] if self.qchunk or self.teacher != "joint" or pallas else []
-        tail += [self.teacher] if self.teacher != "joint" or pallas else []
-        tail += [self.backend] if pallas else []
+        """`case:dtype:ichunk:tchunk[:qchunk[:teacher[:backend[:DxSxM]]]]` (a command-line form;
+        see `parse`)."""
+        pallas, mesh = self.backend != "xla", self.mesh is not None
+        tail = [str(self.qchunk)] if self.qchunk or self.teacher != "joint" or pallas or mesh else []
+        tail += [self.teacher] if self.teacher != "joint" or pallas or mesh else []
+        tail += [self.backend] if pallas or mesh else []
+        tail += [mesh_text(self.mesh)] if mesh else []
         return ":".join([self.case, self.dtype, str(self.ichunk), str(self.tchunk), *tail])
 
     @classmethod
     def parse(cls, text: str) -> "Point":
         fields = text.split(":")
-        if len(fields) not in (4, 5, 6, 7):
-            raise ValueError(f"point {text!r} must be case:dtype:ichunk:tchunk[:qchunk[:teacher[:backend]]]")
+        form = "case:dtype:ichunk:tchunk[:qchunk[:teacher[:backend[:DxSxM]]]]"
+        if len(fields) not in (4, 5, 6, 7, 8):
+            raise ValueError(f"point {text!r} must be {form}")
         case, dtype, ichunk, tchunk, *rest = fields
-        return cls(case, dtype, int(ichunk), int(tchunk), int(rest[0]) if rest else 0,
+        mesh = None
+        if len(rest) > 3:
+            sizes = rest[3].split("x")
+            if len(sizes) != 3 or not all(x.isdigit() and int(x) >= 1 for x in sizes):
+                raise ValueError(f"point {text!r}: mesh {rest[3]!r} must be DATAxSEQxMODEL, three sizes >= 1 ({form})")
+            mesh = tuple(int(x) for x in sizes)
+        return cls(case, dtype, int(ichunk), int(tchunk), int(rest[0]) if rest else 0, mesh=mesh,
                    teacher=rest[1] if len(rest) > 1 else "joint", backend=rest[2] if len(rest) > 2 else "xla")
 
 
@@ -104,7 +132,7 @@ class Entry:
         p = self.point
         impl = "" if self.impl == "jax" else f"{self.impl}-"
         q = f"-qchunk{p.qchunk}" if p.qchunk else ""
-        mesh = f"-mesh{p.mesh[0]}x{p.mesh[1]}" if p.mesh else ""
+        mesh = f"-mesh{mesh_text(p.mesh)}" if p.mesh else ""
         teacher = f"-{p.teacher}" if p.teacher != "joint" else ""
         backend = f"-{p.backend}" if p.backend != "xla" else ""
         return (f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}{mesh}{teacher}{backend}-{self.mode}-"
@@ -204,6 +232,7 @@ CI_DTYPES = {
     "window_heavy": (("float16", "float64"), ()),
     "teacher_gap": (("bfloat16", "float32"), ()),
     "yarn_tail": (("float16", "float64"), ("float64",)),
+    "packed_edges": (("bfloat16", "float64"), ()),
 }
 # On sweep case j, value class c runs in one of the dtypes the default sample sweeps that knob
 # in, the (c + j)-th.

@@ -142,17 +142,17 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "pool_shift_two_blocks", "pooling", "pooling.py",
-        "    kv_prev = jnp.pad(kv_a, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :w]\n"
-        "    gate_prev = jnp.pad(gate_a, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :w]\n",
-        "    kv_prev = jnp.pad(kv_a, ((0, 0), (2, 0), (0, 0), (0, 0)))[:, :w]\n"
-        "    gate_prev = jnp.pad(gate_a, ((0, 0), (2, 0), (0, 0), (0, 0)))[:, :w]\n",
+        "        kv_prev = jnp.pad(kv_a, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :w]\n"
+        "        gate_prev = jnp.pad(gate_a, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :w]\n",
+        "        kv_prev = jnp.pad(kv_a, ((0, 0), (2, 0), (0, 0), (0, 0)))[:, :w]\n"
+        "        gate_prev = jnp.pad(gate_a, ((0, 0), (2, 0), (0, 0), (0, 0)))[:, :w]\n",
         ("exact64",), (TINY64,),
         "the `a` slots shifted by two blocks instead of one: block w pools block w-2's share",
     ),
     Mutant(
         "pool_document_boundary_ignored", "pooling", "pooling.py",
-        "    cont = first[:, 1:] == first[:, :-1] + m\n",
-        "    cont = jnp.ones_like(first[:, 1:], dtype=bool)\n",
+        "    cont = (exists[None, :] & (first == first_prev + m))[:, :, None, None]\n",
+        "    cont = jnp.broadcast_to(exists[None, :], first.shape)[:, :, None, None]\n",
         ("exact64",), (PACKED64,),
         "block w-1's `a` slots kept across a document boundary (only w = 0 masked)",
     ),
@@ -274,7 +274,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         ("chunk", "exact64"), (TINY64_QCHUNK,),
         "query blocks: each block's KL sum divided by its own count of valid rows and the blocks' "
         "means summed, instead of one global sum over one global count",
-        more=(("    count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)\n",
+        more=(("    count = _apply(shard.sum_rows, jnp.sum(valid_tok))\n",
                "    count = jnp.ones((), wide)\n"),),
     ),
     Mutant(
@@ -339,15 +339,15 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "teacher_window_crosses_document", "loss", "loss.py",
-        "    ok = ((back[:r] >= 0) & (back[:r] < n) & (row_keys[:r] >= 0))[None] & (seg_k == seg_q[..., None])\n",
-        "    ok = jnp.broadcast_to(((back[:r] >= 0) & (back[:r] < n) & (row_keys[:r] >= 0))[None], seg_k.shape)\n",
+        "    ok = ((back[:r] >= 0) & (back[:r] < n) & (row_keys[:r] + origin >= 0))[None] & (seg_k == seg_q[..., None])\n",
+        "    ok = jnp.broadcast_to(((back[:r] >= 0) & (back[:r] < n) & (row_keys[:r] + origin >= 0))[None], seg_k.shape)\n",
         ("exact64",), (PACKED64,),
         "joint teacher: the window reaches back into the previous document of a packed row",
     ),
     Mutant(
         "teacher_window_off_by_one", "loss", "loss.py",
-        "    n = min(cfg.sliding_window, segment_ids.shape[1])\n",
-        "    n = min(cfg.sliding_window + 1, segment_ids.shape[1])\n",
+        "    return min(cfg.sliding_window, seq_len)\n",
+        "    return min(cfg.sliding_window + 1, seq_len)\n",
         ("exact64",), (TINY64,),
         "joint teacher: n_win + 1 window tokens (the query token and n_win before it)",
     ),
@@ -406,8 +406,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     # operation for operation. A pinned random problem with another value kills it.
     Mutant(
         "pool_continuation_ratio_hardcoded", "pooling", "pooling.py",
-        "    cont = first[:, 1:] == first[:, :-1] + m\n",
-        "    cont = first[:, 1:] == first[:, :-1] + 4\n",
+        "    cont = (exists[None, :] & (first == first_prev + m))[:, :, None, None]\n",
+        "    cont = (exists[None, :] & (first == first_prev + 4))[:, :, None, None]\n",
         ("exact64",), (),
         "the previous-block test hard-codes DeepSeek-V4's compress ratio 4: for any other m no "
         "block pools its predecessor's `a` slots",

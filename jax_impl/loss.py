@@ -14,6 +14,8 @@ is a plain scan with no checkpoint.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,12 +34,34 @@ def teacher_inputs(inputs, cfg, dtype, wide) -> dict:
     return {n: jax.lax.stop_gradient(round_to(inputs[n], dtype).astype(wide)) for n in teacher_input_names(cfg)}
 
 
-def window_of_rows(window_kv, segment_ids, rows, n: int):
+class Window(NamedTuple):
+    """Where the query rows' window keys come from. On one device, the whole row: `kv`
+    teacher_window_kv [B, S, D], its `segment_ids` [B, S], `lead` 0 and `origin` 0. On a device
+    that holds a stretch of the sequence (jax_impl.sharded), the stretch with the `lead` rows
+    before it (the halo from the devices before) prepended: query row i is row lead + i of
+    `kv`, and row t of `kv` is token origin + t of the sequence (rows before token 0 are not
+    in any window). `n`: the window in tokens, min(sliding_window, S) with the whole S."""
+
+    kv: jax.Array
+    segment_ids: jax.Array
+    n: int
+    lead: int = 0
+    origin: jax.Array | int = 0
+
+
+def window_tokens(cfg, seq_len: int) -> int:
+    """n: the tokens of a query's window, min(n_win, S) (S: the whole sequence's length)."""
+    return min(cfg.sliding_window, seq_len)
+
+
+def window_of_rows(window_kv, segment_ids, rows, n: int, origin=0):
     """What the sliding window of the query rows `rows` ([r] consecutive token indices) needs,
     banded: the rows are cut into sub-blocks of c = min(n, r) rows, and sub-block j reads only
     the c + n - 1 window-key rows that end at its last row. Returns (keys [B, nb, c + n - 1, D],
     ok [B, r, c + n - 1] bool, c): row i's sub-block keys, which of them are in its window (at
-    most n tokens back, itself included, not before the sequence, same document), and c. Every read
+    most n tokens back, itself included, not before the sequence, same document), and c.
+    `origin`: the token index of row 0 of window_kv (`Window`); rows before token 0 are none.
+    Every read
     is a clamped gather with a static index map: nothing of [B, S, S] size is formed, and the
     logits (`window_logits`) are one contraction, not a loop."""
     r = rows.shape[0]
@@ -54,7 +78,7 @@ def window_of_rows(window_kv, segment_ids, rows, n: int):
     row_keys = jnp.repeat(key_rows, c, axis=0)  # [nb * c, c + n - 1]
     seg_q = jnp.take(segment_ids, rows, axis=1, mode="clip")  # [B, r]
     seg_k = jnp.take(segment_ids, jnp.clip(row_keys[:r], 0, seq_len - 1), axis=1)  # [B, r, c + n - 1]
-    ok = ((back[:r] >= 0) & (back[:r] < n) & (row_keys[:r] >= 0))[None] & (seg_k == seg_q[..., None])
+    ok = ((back[:r] >= 0) & (back[:r] < n) & (row_keys[:r] + origin >= 0))[None] & (seg_k == seg_q[..., None])
     return keys, ok, c
 
 
@@ -93,7 +117,7 @@ def _teacher_probs(tq, teacher_kv, additive_mask, sink=None, window=None):
     return jnp.sum(jnp.exp(a - log_norm), axis=2)
 
 
-def teacher_head_sum(teacher, keep, cfg, rows, segment_ids):
+def teacher_head_sum(teacher, keep, cfg, rows, segment_ids, window: Window | None = None):
     """sum over the heads of teacher["teacher_query"] of each head's teacher probabilities on
     the kept blocks, [B, r, W] (wide), not yet renormalised: a sum over any subset of the heads
     (jax_impl.sharded adds the per-device sums over the `model` mesh axis before
@@ -103,13 +127,18 @@ def teacher_head_sum(teacher, keep, cfg, rows, segment_ids):
     [B, r, h, D] (h: the heads at hand), teacher_kv [B, W, D], and for the joint teacher
     attention_sink [h] and, with a window, teacher_window_kv [B, S, D]; segment_ids [B, S].
     Heads are walked `cfg.loss_head_chunk` at a time; each chunk computes its own heads'
-    window logits and normalisers.
+    window logits and normalisers. `window`: where the rows' window keys come from (`Window`);
+    None: teacher["teacher_window_kv"] and segment_ids, the whole sequence.
     """
     tq, tkv = teacher["teacher_query"], teacher["teacher_kv"]
     joint = cfg.teacher_normaliser == "joint"
     sink = teacher["attention_sink"] if joint else None
-    n = min(cfg.sliding_window, segment_ids.shape[1])
-    window = window_of_rows(teacher["teacher_window_kv"], segment_ids, rows, n) if joint and n else None
+    if window is None and joint and window_tokens(cfg, segment_ids.shape[1]):
+        window = Window(teacher["teacher_window_kv"], segment_ids, window_tokens(cfg, segment_ids.shape[1]))
+    if joint and window is not None:
+        window = window_of_rows(window.kv, window.segment_ids, rows + window.lead, window.n, window.origin)
+    else:
+        window = None
     additive_mask = jnp.where(keep, 0.0, MASK).astype(tq.dtype)
     chunk = cfg.loss_head_chunk
     if chunk == 0:
@@ -133,9 +162,12 @@ def normalise_teacher(t, valid_tok):
     return t / (jnp.sum(t, axis=-1, keepdims=True) + EPS)
 
 
-def teacher_distribution(teacher, keep, valid_tok, cfg, rows, segment_ids):
-    """T [B, r, W] (wide): the head-summed teacher probabilities, renormalised per row."""
-    return normalise_teacher(teacher_head_sum(teacher, keep, cfg, rows, segment_ids), valid_tok)
+def teacher_distribution(teacher, keep, valid_tok, cfg, rows, segment_ids, window: Window | None = None,
+                         sum_heads=None):
+    """T [B, r, W] (wide): the head-summed teacher probabilities, renormalised per row.
+    `sum_heads`: adds the head sum over the devices that hold the other heads (jax_impl.sharded)."""
+    t = teacher_head_sum(teacher, keep, cfg, rows, segment_ids, window)
+    return normalise_teacher(t if sum_heads is None else sum_heads(t), valid_tok)
 
 
 def loss_keep(valid, topk, sparse_loss: bool, selection=None):

@@ -29,6 +29,7 @@ the blocks, for parity; the memory promise is the loss and its gradient.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +43,37 @@ from .scoring import head_weights, key_blocks, mask_scores, raw_scores, rows_val
 
 
 # The parameters of the keys (used once, before the scan) and of the query rows (per block).
-_KEY_PARAMS = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm")
+KEY_PARAMS = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm")
 _QUERY_PARAMS = ("indexer.wq_b", "indexer.weights_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What one device of a mesh (jax_impl.sharded) changes in the row program; the default,
+    every field None, is one device that holds every row, head and block.
+
+    score_cfg      the config the scoring sees: its own share of the indexer heads.
+    sum_heads      adds a sum over heads (the scores, the teacher's head sum) over the devices
+                   that hold the other heads.
+    sum_rows       adds the loss's sum(kl) and count(valid_tok) over the devices that hold the
+                   other rows (batch and sequence).
+    window         (teacher_window_kv, segment_ids) of the device's rows -> the `loss.Window`
+                   its rows read (its stretch with the halo from the devices before it).
+    gather_blocks  the teacher_kv of the device's blocks -> every block's.
+    """
+
+    score_cfg: Any = None
+    sum_heads: Callable | None = None
+    sum_rows: Callable | None = None
+    window: Callable | None = None
+    gather_blocks: Callable | None = None
+
+
+ONE_DEVICE = Shard()
+
+
+def _apply(fn, value):
+    return value if fn is None else fn(value)
 
 
 def num_query_blocks(seq_len: int, r: int) -> int:
@@ -79,7 +109,7 @@ def _setup(params, inputs, cfg, dtype_name):
     gradient at r = 1, S = 40). The body casts the parameters it uses itself; the keys'
     widening is exact and is what `raw_scores` does anyway."""
     dtype, wide = resolve_dtype(dtype_name)
-    p = {k: round_to(params[k], dtype) for k in _KEY_PARAMS}
+    p = {k: round_to(params[k], dtype) for k in KEY_PARAMS}
     # The indexer never trains the hidden states (the keys need every row of them).
     x = round_to(jax.lax.stop_gradient(inputs["hidden_states"]), dtype)
     pos, seg = inputs["position_ids"], inputs["segment_ids"]
@@ -89,7 +119,7 @@ def _setup(params, inputs, cfg, dtype_name):
     return keys, keys.astype(wide), key_blocks(pos, seg, cfg, x.shape[1])
 
 
-def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name):
+def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard=ONE_DEVICE):
     """One block of rows start .. start + r - 1: (masked scores [B, r, W] wide, validity
     [B, r, W], top-k [B, r, k_eff], the rows [r]). params and keys wide."""
     dtype, wide = resolve_dtype(dtype_name)
@@ -102,7 +132,7 @@ def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name):
     pos = _take_rows(inputs["position_ids"], rows)
     seg = _take_rows(inputs["segment_ids"], rows)
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    scores = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, cfg, wide)
+    scores = _apply(shard.sum_heads, raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, shard.score_cfg or cfg, wide))
     valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None]
     masked = mask_scores(scores, valid)
     return masked, valid, topk_indices(masked, valid, cfg.index_topk), rows
@@ -112,20 +142,36 @@ def _starts(seq_len: int, r: int):
     return jnp.arange(num_query_blocks(seq_len, r), dtype=jnp.int32) * r
 
 
+def _over_blocks(body, seq_len: int, r: int):
+    """The blocks' outputs stacked [nb, ...]: a `lax.scan` of `body` over the block starts, or,
+    when one block holds every row, one call of it (nothing to walk: the same program without a
+    scan of length 1)."""
+    if num_query_blocks(seq_len, r) == 1:
+        return jax.tree.map(lambda a: a[None], body(None, jnp.zeros((), jnp.int32))[1])
+    return jax.lax.scan(body, None, _starts(seq_len, r))[1]
+
+
 def forward(params, inputs, cfg, dtype_name):
     """{compressed_keys [B, W, DI], index_scores [B, S, W] (wide, -inf where invalid),
     topk_indices [B, S, k_eff]}, computed block by block and assembled."""
-    seq_len = inputs["position_ids"].shape[1]
     keys, keys_wide, blocks = _setup(params, inputs, cfg, dtype_name)
-    r = block_rows(cfg, seq_len)
+    masked, topk = rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name,
+                                block_rows(cfg, inputs["position_ids"].shape[1]))
+    return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
+
+
+def rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, r: int, shard=ONE_DEVICE):
+    """(masked scores [B, S, W] wide, top-k [B, S, k_eff]) of the rows of `inputs` against the
+    keys `keys_wide` [B, W, DI] (wide) and their `blocks` (scoring.key_blocks), `r` rows a block.
+    jax_impl.sharded calls it with a device's rows, every block's keys and its `shard`."""
+    seq_len = inputs["position_ids"].shape[1]
 
     def body(_, start):
-        masked, _, topk, _ = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name)
+        masked, _, topk, _ = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name, shard)
         return None, (masked, topk)
 
-    _, (masked, topk) = jax.lax.scan(body, None, _starts(seq_len, r))
-    return {"compressed_keys": keys, "index_scores": _unblock(masked, seq_len),
-            "topk_indices": _unblock(topk, seq_len)}
+    masked, topk = _over_blocks(body, seq_len, r)
+    return _unblock(masked, seq_len), _unblock(topk, seq_len)
 
 
 def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
@@ -136,34 +182,48 @@ def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     read block by block like every other input."""
     dtype, wide = resolve_dtype(dtype_name)
     inputs = {**float_inputs, **int_inputs}
-    b, seq_len = inputs["position_ids"].shape
+    seq_len = inputs["position_ids"].shape[1]
     if cfg.num_blocks(seq_len) == 0:
         return jnp.zeros((), wide)
     _, keys_wide, blocks = _setup(params, inputs, cfg, dtype_name)
+    return rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, block_rows(cfg, seq_len))
+
+
+def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: int, shard=ONE_DEVICE):
+    """The loss of the rows of `inputs` (the float and int inputs in one dict) against the keys
+    `keys_wide` and their `blocks`, `r` rows a block (`rows_forward`); on a mesh, `shard` adds
+    the heads and the rows the other devices hold."""
+    dtype, wide = resolve_dtype(dtype_name)
+    seq_len = inputs["position_ids"].shape[1]
     # The teacher inputs are rounded once, but teacher_query [B, S, H, D], only per block (the
     # block's window reads only the window rows its own rows need: loss.window_of_rows).
     teacher = {n: jax.lax.stop_gradient(round_to(inputs[n], dtype).astype(wide))
                for n in teacher_input_names(cfg) if n != "teacher_query"}
-    r = block_rows(cfg, seq_len)
+    teacher["teacher_kv"] = _apply(shard.gather_blocks, teacher["teacher_kv"])
+    window = None
+    if shard.window is not None and "teacher_window_kv" in teacher:
+        window = shard.window(teacher["teacher_window_kv"], inputs["segment_ids"])
 
-    @jax.checkpoint
     def body(_, start):
-        masked, valid, topk, rows = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name)
+        masked, valid, topk, rows = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name,
+                                                  shard)
         sel = None if selection is None else _take_rows(selection, rows)
         keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
         tq = _take_rows(inputs["teacher_query"], rows)
         tq = jax.lax.stop_gradient(round_to(tq, dtype).astype(wide))
         t = jax.lax.stop_gradient(teacher_distribution({**teacher, "teacher_query": tq}, keep, valid_tok, cfg,
-                                                       rows, inputs["segment_ids"]))
+                                                       rows, inputs["segment_ids"], window, shard.sum_heads))
         kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
         return None, (kl, valid_tok)
 
     # kl, valid_tok: [nb, B, r]. The padding rows of the last block are in there: `row_ok`
     # made them rows with no valid block, so their KL term is 0 and they are not counted.
-    _, (kl, valid_tok) = jax.lax.scan(body, None, _starts(seq_len, r))
-    # The normaliser is global: every block's valid rows, counted once, divided once.
-    count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)
-    return cfg.loss_scale * jnp.sum(kl) / count
+    kl, valid_tok = _over_blocks(body if num_query_blocks(seq_len, r) == 1 else jax.checkpoint(body), seq_len, r)
+    # The normaliser is global: every block's valid rows (on a mesh: every device's), counted
+    # once, divided once.
+    total = _apply(shard.sum_rows, jnp.sum(kl))
+    count = _apply(shard.sum_rows, jnp.sum(valid_tok))
+    return cfg.loss_scale * total / jnp.maximum(count, 1).astype(wide)
 
 
 def parity_bundle(params, float_inputs, int_inputs, selection, cfg, dtype_name):

@@ -1,45 +1,62 @@
-"""The indexer and its loss on a device mesh: batch over a `data` axis, heads over a `model` axis.
+"""The indexer and its loss on a device mesh: batch over `data`, the sequence over `seq`
+(context parallelism), heads over `model`.
 
 Same outputs as `indexer_forward` / `indexer_loss_and_grads` (docs/plugins.md), computed with
-`jax.shard_map` so that every device runs the single-device pure functions on its own block:
+`jax.shard_map`: every device runs the single-device row program (jax_impl.query_blocks) on its
+own block of rows and heads, and the collectives are explicit.
 
   data axis   `hidden_states`, `q_latent`, ids, teacher inputs and `selection` are split by
-              batch row; keys, validity and top-k are per row, so they need no communication.
+              batch row. Nothing crosses it but the loss's sum and count.
+  seq axis    every per-token input (and `teacher_kv`, by block) is split into P contiguous
+              stretches of L = S/P token rows; L must be a multiple of m, so that each device
+              pools whole blocks (W/P of them). Three things cross it:
+              - the pooling halo: block 0 of a device pools the `a` slots of the previous
+                device's last block, which that device sends by `ppermute` (m x DI values and
+                the block's first position, so SPEC section 5's document rule is applied to
+                it exactly as on one device); device 0 gets none;
+              - the keys: every query may pick any earlier block, so the keys (with what
+                validity needs of each block) and the teacher's `teacher_kv` are gathered
+                over `seq` (`all_gather`); its transpose, a reduce-scatter, returns each
+                block's key cotangent to the device that pooled it;
+              - the joint teacher's window: a query reads n - 1 earlier tokens of
+                `teacher_window_kv` (n = min(n_win, S)), so each device prepends the last
+                n - 1 rows of the devices before it (`ppermute`, as many hops as n - 1 needs
+                stretches of L), with their segment ids; rows before token 0 are in no window.
+              Top-k, the teacher and the KL stay per row; sum(kl) and count(valid_tok) are
+              `psum`-ed over `seq` and `data` before the one division.
   model axis  indexer heads (the `wq_b` and `weights_proj` columns of a head) and teacher heads
-              (`teacher_query[:, :, h]`) are split into contiguous blocks of HI/M and H/M heads.
-              The pooling parameters and the keys are replicated over it.
+              (`teacher_query[:, :, h]`, `attention_sink[h]`) are split into contiguous blocks
+              of HI/M and H/M heads; the [B, L, W] score partial sums and the teacher's head
+              sums are `psum`-ed over it. Parameters and keys are replicated over it.
 
-Per device, `scoring.raw_scores` runs unchanged with a config whose `index_n_heads` is the
-LOCAL head count, so `indexer_head_chunk` chunks walk the device's own heads (the same
-`lax.scan` under `jax.checkpoint`); its [B/D, S, W] partial sum is `psum`-ed over `model`.
-The head weights keep the global scale HI**-0.5. The teacher's un-normalised head sum is
-likewise summed per device over its local heads (`loss_head_chunk` chunks) and `psum`-ed
-over `model` before the renormalisation. The loss needs sum(kl) and count(valid_tok) over
-the whole batch: both are `psum`-ed over `data` before the division.
+Per device, `scoring.raw_scores` runs with a config whose `index_n_heads` is the LOCAL head
+count, so `indexer_head_chunk` chunks walk the device's own heads (the same `lax.scan` under
+`jax.checkpoint`), and `query_chunk` blocks walk its own L rows (query_blocks.rows_loss:
+`lax.scan` under `jax.checkpoint`, head chunks nested inside); the head weights keep the
+GLOBAL scale HI**-0.5.
 
 Why shard_map and not GSPMD with sharding constraints: the chunked path is a `lax.scan` over
 `dynamic_slice`s of the GLOBAL heads axis. With that axis sharded over `model`, step i's slice
 lives on the one device that owns those heads, so GSPMD cannot run the steps as local chunks
-on every device at once; it has to move `wq_b` / the queries, or the math must be rewritten
-over a [model, local heads] axis. With shard_map the per-device program is the unchanged
-single-device function over local heads, and the collectives are explicit: one psum of
-the [B/D, S, W] scores and one of the teacher sum over `model`, two scalar psums over `data`.
+on every device at once; and the halo is a neighbour exchange, not a resharding. With
+shard_map the per-device program is the single-device one over local rows and heads.
 `check_vma=True` (the default) makes shard_map type-check replication: an output declared
-replicated over an axis (the loss P(), the scores P(data) over `model`) must be provably so,
-so a forgotten psum is a trace-time error instead of one device's partial sum passed off as
-the result. Its one cost: the keys are replicated over `model` but each device's heads use
-them differently, so they are cast to device-varying (`lax.pcast`) before the scoring, whose
-custom VJP must return a cotangent of its input's type; the transpose of that cast is the
-psum over `model` of the per-device key cotangents. The replicated parameters' cotangents
-are psum-ed by shard_map's own transpose. The tests (tests/sharded) check every gradient
-against single-device JAX to 1e-12 in float64.
+replicated over an axis (the loss P(), the scores over `model`) must be provably so, so a
+forgotten psum is a trace-time error instead of one device's partial sum passed off as the
+result. Its one cost: the keys are replicated over `model` but each device's heads use them
+differently, so they are cast to device-varying (`lax.pcast`) before the scoring; the
+transpose of that cast is the psum over `model` of the per-device key cotangents. The
+replicated parameters' cotangents are psum-ed by shard_map's own transpose. The keys are
+gathered in the wide dtype: the reduce-scatter of their cotangents then adds the devices'
+shares in the wide dtype, as one device adds its rows' (gathering in bfloat16 would halve the
+bytes and round every device's share to bfloat16 before the sum).
 
 This relies on two details of jax_impl: the scan carries of `scoring.raw_scores` and
 `loss.teacher_head_sum` start from zeros typed like their body's output (`zeros_like`), since
-under shard_map a scan's carry must vary over the same mesh axes going in and coming out (on
-one device they are plain zeros); and loss.py exposes the steps of `kl_loss` separately
-(loss_keep, teacher_inputs, teacher_head_sum, normalise_teacher, kl_per_token), because the
-teacher sum is psum-ed before it is normalised and sum(kl) before it is divided.
+under shard_map a scan's carry must vary over the same mesh axes going in and coming out; and
+the row program's hooks (`query_blocks.Shard`, `pooling.previous_slots`' halo, `loss.Window`).
+The tests (tests/sharded) check every output and gradient against one device at the tight
+`chunk` bound and against the oracle goldens.
 """
 
 from __future__ import annotations
@@ -53,12 +70,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .api import forward_parts, prepare_arguments
+from .api import prepare_arguments
 from .config import CSAConfig, resolve_dtype
-from .loss import kl_per_token, loss_keep, normalise_teacher, teacher_head_sum, teacher_inputs
+from .loss import Window, window_tokens
+from .pooling import compress_keys
+from .precision import round_to
+from .query_blocks import KEY_PARAMS, Shard, block_rows, rows_forward, rows_loss
+from .scoring import key_blocks
 from .validate import PARAM_NAMES
 
-__all__ = ["check_mesh", "sharded_forward", "sharded_loss", "sharded_loss_and_grads", "sharded_parity_bundle"]
+__all__ = ["Layout", "check_mesh", "sharded_forward", "sharded_loss", "sharded_loss_and_grads",
+           "sharded_parity_bundle"]
 
 
 # --------------------------------------------------------------------------- validation
@@ -78,21 +100,61 @@ def _axis_size(mesh: Mesh, axis: str, role: str) -> int:
     return int(mesh.shape[axis])
 
 
-def check_mesh(cfg: CSAConfig, batch: int, mesh: Mesh, data_axis: str = "data", model_axis: str = "model"):
-    """Validate the split of a batch of `batch` rows and `cfg`'s heads over `mesh`.
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a sharded call splits its problem: the mesh axes of the batch (`data`), the
+    sequence (`seq`, None: not split) and the heads (`model`), and their sizes d, p, m."""
 
-    Returns (data size D, model size M). Every violation is a ValueError naming the quantity,
-    the mesh axis, its size, and the valid choices.
-    """
-    if data_axis == model_axis:
-        raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
+    data: str
+    model: str
+    seq: str | None
+    d: int
+    p: int
+    m: int
+
+    def rows(self, *rest) -> P:
+        """The PartitionSpec of a per-token array [B, S, ...]: batch over `data`, tokens over
+        `seq`, then `rest`."""
+        return P(self.data, self.seq, *rest)
+
+
+def seq_sizes(seq_len: int, m: int) -> list[int]:
+    """The sizes a `seq` mesh axis may have for a sequence of `seq_len` tokens and compress
+    ratio m: those P that split it into P stretches of whole blocks."""
+    return [p for p in _divisors(seq_len) if (seq_len // p) % m == 0]
+
+
+def check_mesh(cfg: CSAConfig, batch: int, mesh: Mesh, data_axis: str = "data", model_axis: str = "model",
+               seq_len: int | None = None, seq_axis: str | None = None) -> Layout:
+    """Validate the split of a batch of `batch` rows of `seq_len` tokens and `cfg`'s heads over
+    `mesh`, and return the Layout. `seq_axis` None: the mesh's "seq" axis if it has one (else the
+    sequence is not split); a name: that axis, which must exist. Every violation is a ValueError
+    naming the quantity, the mesh axis, its size, and the valid choices."""
+    if seq_axis is None and "seq" in getattr(mesh, "axis_names", ()):
+        seq_axis = "seq"
+    names = [a for a in (data_axis, seq_axis, model_axis) if a is not None]
+    if len(set(names)) != len(names):
+        raise ValueError(f"data_axis, seq_axis and model_axis must differ, got {data_axis!r}, {seq_axis!r}, "
+                         f"{model_axis!r}")
     d = _axis_size(mesh, data_axis, "data_axis")
     m = _axis_size(mesh, model_axis, "model_axis")
+    p = 1 if seq_axis is None else _axis_size(mesh, seq_axis, "seq_axis")
     if batch % d:
         raise ValueError(
             f"batch B={batch} must be divisible by the size {d} of mesh axis {data_axis!r} "
             f"(the batch is split over it; valid sizes: {', '.join(map(str, _divisors(batch)))})"
         )
+    if p > 1:
+        ratio = cfg.compress_ratio
+        if seq_len % p or (seq_len // p) % ratio:
+            valid = ", ".join(map(str, seq_sizes(seq_len, ratio)))
+            per = (f"S={seq_len} is not divisible by it" if seq_len % p
+                   else f"that leaves {seq_len // p} tokens per device, not a multiple of")
+            raise ValueError(
+                f"sequence length S={seq_len} must split into whole blocks of compress_ratio={ratio} over the "
+                f"size {p} of mesh axis {seq_axis!r} ({per}"
+                f"{f' compress_ratio={ratio}' if not seq_len % p else ''}; valid sizes: {valid})"
+            )
     for heads_name, chunk_name in (("index_n_heads", "indexer_head_chunk"), ("num_query_heads", "loss_head_chunk")):
         heads, chunk = getattr(cfg, heads_name), getattr(cfg, chunk_name)
         if heads % m:
@@ -108,137 +170,190 @@ def check_mesh(cfg: CSAConfig, batch: int, mesh: Mesh, data_axis: str = "data", 
                 f"heads: {heads_name}={heads} over mesh axis {model_axis!r} of size {m} leaves {local} "
                 f"per device (valid: {valid})"
             )
-    return d, m
-
-
-def _local_cfg(cfg: CSAConfig, m: int) -> CSAConfig:
-    """The config one device sees for scoring: its own share of the indexer heads."""
-    return dataclasses.replace(cfg, index_n_heads=cfg.index_n_heads // m)
+    return Layout(data_axis, model_axis, seq_axis if p > 1 else None, d, p, m)
 
 
 # --------------------------------------------------------------------------- per-device programs
 
 
-def _param_specs(model_axis):
+def _param_specs(lay: Layout):
     specs = {name: P() for name in PARAM_NAMES}
     # Columns are head-major (h * DI + d, and h): a contiguous block of columns is a block of heads.
-    specs["indexer.wq_b"] = P(None, model_axis)
-    specs["indexer.weights_proj"] = P(None, model_axis)
+    specs["indexer.wq_b"] = P(None, lay.model)
+    specs["indexer.weights_proj"] = P(None, lay.model)
     return specs
 
 
-def _input_specs(data_axis, model_axis):
+def _input_specs(lay: Layout):
     return {
-        "hidden_states": P(data_axis),
-        "q_latent": P(data_axis),
-        "position_ids": P(data_axis),
-        "segment_ids": P(data_axis),
-        "teacher_query": P(data_axis, None, model_axis),
-        "teacher_kv": P(data_axis),
-        "teacher_window_kv": P(data_axis),
-        "attention_sink": P(model_axis),  # one per teacher head, split like them
+        "hidden_states": lay.rows(),
+        "q_latent": lay.rows(),
+        "position_ids": lay.rows(),
+        "segment_ids": lay.rows(),
+        "teacher_query": lay.rows(lay.model),
+        "teacher_kv": lay.rows(),  # by block: a device's W/P blocks are its own tokens' blocks
+        "teacher_window_kv": lay.rows(),
+        "attention_sink": P(lay.model),  # one per teacher head, split like them
     }
 
 
-def _local_forward(params, inputs, cfg, dtype_name, m, model_axis):
-    """One device's keys, full-head masked scores, validity and top-k (its batch rows).
+def _from_previous(x, lay: Layout, hops: int = 1):
+    """What the device `hops` places before this one along `seq` holds of `x` (zeros on the
+    first `hops` devices, which have none)."""
+    if hops >= lay.p:
+        return jnp.zeros_like(x)
+    return jax.lax.ppermute(x, lay.seq, [(i, i + hops) for i in range(lay.p - hops)])
 
-    Its heads are scored with the local head count but the head weights keep the GLOBAL
-    HI**-0.5 scale (head_weights uses cfg). The keys are replicated over `model`, but each
-    device's heads use them differently: they are marked device-varying so that the
-    scoring's custom VJP returns a per-device key cotangent of the right type (the
-    transpose of this cast psums those cotangents over `model`); the partial head sums
-    are added over `model`.
-    """
-    return forward_parts(
-        params, inputs, cfg, dtype_name,
-        score_cfg=_local_cfg(cfg, m),
-        prepare_keys=lambda keys: jax.lax.pcast(keys, model_axis, to="varying"),
-        reduce_scores=lambda partial: jax.lax.psum(partial, model_axis),
+
+def _pool_halo(lay: Layout):
+    """`pooling.previous_slots`' halo on the `seq` axis: the previous device's last block."""
+
+    def halo(kv_a, gate_a, first):
+        kv_a, gate_a, first = (_from_previous(a, lay) for a in (kv_a, gate_a, first))
+        return kv_a, gate_a, first, jax.lax.axis_index(lay.seq) > 0
+
+    return halo
+
+
+def _window_halo(cfg: CSAConfig, lay: Layout, seq_len: int):
+    """The `query_blocks.Shard.window` of a device: its stretch of teacher_window_kv (and its
+    segment ids) with the n - 1 rows before it prepended, from as many devices back as they
+    span; on the first devices, rows before token 0 (zeros, outside every window)."""
+    n = window_tokens(cfg, seq_len)
+
+    def window(kv, seg):
+        rows = kv.shape[1]
+        h = n - 1
+        parts_kv, parts_seg = [], []
+        hops = -(-h // rows)
+        for k in range(hops, 0, -1):  # the farthest device first; it sends only the rows needed
+            take = rows if k < hops else h - (hops - 1) * rows
+            parts_kv.append(_from_previous(kv[:, rows - take:], lay, k))
+            parts_seg.append(_from_previous(seg[:, rows - take:], lay, k))
+        ext_kv = jnp.concatenate([*parts_kv, kv], axis=1)
+        ext_seg = jnp.concatenate([*parts_seg, seg], axis=1)
+        origin = jax.lax.axis_index(lay.seq) * rows - h  # the token index of ext row 0
+        return Window(ext_kv, ext_seg, n, lead=h, origin=origin)
+
+    return window
+
+
+def _gather_blocks(x, lay: Layout):
+    """Every device's blocks of x [B, W/P, ...] along `seq`, in sequence order: [B, W, ...]."""
+    return jax.lax.all_gather(x, lay.seq, axis=1, tiled=True)
+
+
+def _shard(cfg: CSAConfig, lay: Layout, seq_len: int) -> Shard:
+    """The row program's hooks for one device of the layout (query_blocks.Shard)."""
+    seq = lay.p > 1
+    return Shard(
+        score_cfg=dataclasses.replace(cfg, index_n_heads=cfg.index_n_heads // lay.m),
+        sum_heads=lambda x: jax.lax.psum(x, lay.model),
+        sum_rows=lambda x: jax.lax.psum(x, (lay.data, lay.seq) if seq else lay.data),
+        window=_window_halo(cfg, lay, seq_len) if seq and window_tokens(cfg, seq_len) > 1 else None,
+        gather_blocks=(lambda x: _gather_blocks(x, lay)) if seq else None,
     )
 
 
-def _local_loss(params, float_inputs, int_inputs, selection, cfg, dtype_name, m, data_axis, model_axis):
-    """The global loss, from one device's rows and heads (every device returns the same value)."""
+def _device_keys(params, inputs, cfg, dtype_name, lay: Layout):
+    """(the device's own keys [B, W/P, DI] in the compute dtype, every block's keys [B, W, DI]
+    widened and marked device-varying over `model`, every block's `scoring.key_blocks`)."""
     dtype, wide = resolve_dtype(dtype_name)
+    p = {k: round_to(params[k], dtype) for k in KEY_PARAMS}
+    # The indexer never trains the hidden states.
+    x = round_to(jax.lax.stop_gradient(inputs["hidden_states"]), dtype)
+    pos, seg = inputs["position_ids"], inputs["segment_ids"]
+    halo = _pool_halo(lay) if lay.p > 1 else None
+    keys = compress_keys(x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"],
+                         cfg, wide, halo)
+    keys_wide = keys.astype(wide)
+    blocks = key_blocks(pos, seg, cfg, x.shape[1])
+    if lay.p > 1:
+        keys_wide = _gather_blocks(keys_wide, lay)
+        blocks = tuple(_gather_blocks(b, lay) for b in blocks)
+    # Replicated over `model`, but each device's heads use them differently: device-varying, so
+    # that the scoring's custom VJP returns a per-device cotangent (psum-ed by this cast's transpose).
+    return keys, jax.lax.pcast(keys_wide, lay.model, to="varying"), blocks
+
+
+def _rows_per_block(cfg: CSAConfig, rows: int) -> int:
+    """The query block of a device's rows: `query_chunk` rows (at most its L), or all of them."""
+    return block_rows(cfg, rows) if cfg.query_chunk else rows
+
+
+def _local_forward(params, inputs, cfg, dtype_name, lay: Layout):
+    rows = inputs["position_ids"].shape[1]
+    keys, keys_wide, blocks = _device_keys(params, inputs, cfg, dtype_name, lay)
+    masked, topk = rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, _rows_per_block(cfg, rows),
+                                _shard(cfg, lay, rows * lay.p))
+    return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
+
+
+def _local_loss(params, float_inputs, int_inputs, selection, cfg, dtype_name, lay: Layout):
+    """The global loss, from one device's rows and heads (every device returns the same value)."""
+    _, wide = resolve_dtype(dtype_name)
     inputs = {**float_inputs, **int_inputs}
-    _, masked, valid, topk = _local_forward(params, inputs, cfg, dtype_name, m, model_axis)
-    if masked.shape[-1] == 0:
-        return jnp.zeros((), wide)  # W = 0: no block anywhere; as kl_loss
-    keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, selection)
-    teacher = teacher_inputs(inputs, cfg, dtype, wide)
-    rows = jnp.arange(masked.shape[1])
-    t = teacher_head_sum(teacher, keep, cfg, rows, inputs["segment_ids"])  # this device's teacher heads
-    t = jax.lax.stop_gradient(normalise_teacher(jax.lax.psum(t, model_axis), valid_tok))
-    kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
-    total = jax.lax.psum(jnp.sum(kl), data_axis)
-    count = jax.lax.psum(jnp.sum(valid_tok), data_axis)
-    return cfg.loss_scale * total / jnp.maximum(count, 1).astype(wide)
+    rows = inputs["position_ids"].shape[1]
+    if cfg.num_blocks(rows * lay.p) == 0:
+        return jnp.zeros((), wide)  # W = 0: no block anywhere; as the single-device loss
+    _, keys_wide, blocks = _device_keys(params, inputs, cfg, dtype_name, lay)
+    return rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, _rows_per_block(cfg, rows),
+                     _shard(cfg, lay, rows * lay.p))
 
 
 # --------------------------------------------------------------------------- jitted programs
 
-_STATIC = ("cfg", "dtype_name", "mesh", "data_axis", "model_axis")
+_STATIC = ("cfg", "dtype_name", "mesh", "lay")
 
 
-def _forward_fn(params, inputs, cfg, dtype_name, mesh, data_axis, model_axis):
-    m = mesh.shape[model_axis]
-
-    def local(p, i):
-        keys, masked, _, topk = _local_forward(p, i, cfg, dtype_name, m, model_axis)
-        return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
-
-    specs = _input_specs(data_axis, model_axis)
-    in_specs = (_param_specs(model_axis), {k: specs[k] for k in inputs})
-    out_specs = {k: P(data_axis) for k in ("compressed_keys", "index_scores", "topk_indices")}
+def _forward_fn(params, inputs, cfg, dtype_name, mesh, lay):
+    specs = _input_specs(lay)
+    in_specs = (_param_specs(lay), {k: specs[k] for k in inputs})
+    out_specs = {k: lay.rows() for k in ("compressed_keys", "index_scores", "topk_indices")}
+    local = functools.partial(_local_forward, cfg=cfg, dtype_name=dtype_name, lay=lay)
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(params, inputs)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _forward_jit(params, inputs, cfg, dtype_name, mesh, data_axis, model_axis):
-    return _forward_fn(params, inputs, cfg, dtype_name, mesh, data_axis, model_axis)
+def _forward_jit(params, inputs, cfg, dtype_name, mesh, lay):
+    return _forward_fn(params, inputs, cfg, dtype_name, mesh, lay)
 
 
-def _loss_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, data_axis, model_axis):
-    m = mesh.shape[model_axis]
-    specs = _input_specs(data_axis, model_axis)
+def _loss_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay):
+    specs = _input_specs(lay)
     in_specs = (
-        _param_specs(model_axis),
+        _param_specs(lay),
         {k: specs[k] for k in float_inputs},
         {k: specs[k] for k in int_inputs},
-        None if selection is None else P(data_axis),
+        None if selection is None else lay.rows(),
     )
-    local = functools.partial(
-        _local_loss, cfg=cfg, dtype_name=dtype_name, m=m, data_axis=data_axis, model_axis=model_axis
-    )
+    local = functools.partial(_local_loss, cfg=cfg, dtype_name=dtype_name, lay=lay)
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())(
         params, float_inputs, int_inputs, selection
     )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _loss_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, data_axis, model_axis):
-    return _loss_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, data_axis, model_axis)
+def _loss_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay):
+    return _loss_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _loss_and_grads_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, data_axis, model_axis):
+def _loss_and_grads_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay):
     grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1))
-    loss, (param_grads, input_grads) = grad_fn(
-        params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, data_axis, model_axis
-    )
+    loss, (param_grads, input_grads) = grad_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh,
+                                               lay)
     return loss, param_grads, input_grads
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, data_axis, model_axis):
-    statics = (dtype_name, mesh, data_axis, model_axis)
-    out = {"forward": _forward_fn(params, {**float_inputs, **int_inputs}, cfg, *statics)}
+def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay):
+    out = {"forward": _forward_fn(params, {**float_inputs, **int_inputs}, cfg, dtype_name, mesh, lay)}
     grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1))
     modes = {"dense": (False, None), "sparse": (True, None), "sparse_at_selection": (True, selection)}
     for mode, (sparse, sel) in modes.items():
         c = dataclasses.replace(cfg, sparse_loss=sparse)
-        loss, (pg, ig) = grad_fn(params, float_inputs, int_inputs, sel, c, *statics)
+        loss, (pg, ig) = grad_fn(params, float_inputs, int_inputs, sel, c, dtype_name, mesh, lay)
         out[mode] = (loss, pg, ig)
     return out
 
@@ -250,45 +365,47 @@ def _place(tree, specs, mesh):
     return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
 
 
-def _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, selection=None):
+def _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis, selection=None):
     wide_params, float_inputs, int_inputs, selection = prepare_arguments(params, inputs, cfg, dtype, selection)
-    check_mesh(cfg, int(np.shape(inputs["position_ids"])[0]), mesh, data_axis, model_axis)
-    specs = _input_specs(data_axis, model_axis)
-    wide_params = _place(wide_params, _param_specs(model_axis), mesh)
+    b, s = np.shape(inputs["position_ids"])
+    lay = check_mesh(cfg, int(b), mesh, data_axis, model_axis, int(s), seq_axis)
+    specs = _input_specs(lay)
+    wide_params = _place(wide_params, _param_specs(lay), mesh)
     float_inputs = _place(float_inputs, specs, mesh)
     int_inputs = _place(int_inputs, specs, mesh)
     if selection is not None:
-        selection = jax.device_put(selection, NamedSharding(mesh, P(data_axis)))
-    return wide_params, float_inputs, int_inputs, selection
+        selection = jax.device_put(selection, NamedSharding(mesh, lay.rows()))
+    return (wide_params, float_inputs, int_inputs, selection), lay
 
 
 def sharded_forward(params, inputs, cfg: CSAConfig, dtype: str, mesh: Mesh, data_axis: str = "data",
-                    model_axis: str = "model"):
-    """`indexer_forward` on `mesh`: the same dict, each output sharded by batch over `data_axis`."""
-    p, f, i, _ = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis)
-    return _forward_jit(p, {**f, **i}, cfg, dtype, mesh, data_axis, model_axis)
+                    model_axis: str = "model", seq_axis: str | None = None):
+    """`indexer_forward` on `mesh`: the same dict, each output split by batch over `data_axis`
+    and by token rows (the keys: by block) over `seq_axis` (`check_mesh` says which axis)."""
+    (p, f, i, _), lay = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis)
+    return _forward_jit(p, {**f, **i}, cfg, dtype, mesh, lay)
 
 
 def sharded_loss(params, inputs, cfg: CSAConfig, dtype: str, mesh: Mesh, selection=None,
-                 data_axis: str = "data", model_axis: str = "model"):
+                 data_axis: str = "data", model_axis: str = "model", seq_axis: str | None = None):
     """`indexer_loss` on `mesh` (a replicated scalar)."""
-    args = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, selection)
-    return _loss_jit(*args, cfg, dtype, mesh, data_axis, model_axis)
+    args, lay = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis, selection)
+    return _loss_jit(*args, cfg, dtype, mesh, lay)
 
 
 def sharded_loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, mesh: Mesh, selection=None,
-                           data_axis: str = "data", model_axis: str = "model"):
+                           data_axis: str = "data", model_axis: str = "model", seq_axis: str | None = None):
     """`indexer_loss_and_grads` on `mesh`: (loss, param_grads, input_grads), each gradient laid
     out like its parameter or input (wq_b / weights_proj columns over `model_axis`, inputs by
-    batch over `data_axis`)."""
-    args = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, selection)
-    return _loss_and_grads_jit(*args, cfg, dtype, mesh, data_axis, model_axis)
+    batch over `data_axis` and by rows over `seq_axis`)."""
+    args, lay = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis, selection)
+    return _loss_and_grads_jit(*args, cfg, dtype, mesh, lay)
 
 
 def sharded_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, mesh: Mesh, selection,
-                          data_axis: str = "data", model_axis: str = "model"):
+                          data_axis: str = "data", model_axis: str = "model", seq_axis: str | None = None):
     """`indexer_parity_bundle` on `mesh`, in ONE compiled program: {"forward": the
     `sharded_forward` dict, "dense" | "sparse" | "sparse_at_selection": (loss, param_grads,
     input_grads)}, the last with `selection` imposed; `cfg.sparse_loss` is ignored."""
-    args = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, selection)
-    return _bundle_jit(*args, cfg, dtype, mesh, data_axis, model_axis)
+    args, lay = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis, selection)
+    return _bundle_jit(*args, cfg, dtype, mesh, lay)

@@ -55,8 +55,8 @@ def test_the_command_names_the_point_and_every_option_that_changes_its_outcome()
     assert rerun_command(Point("tiny", "float32"), "stage", "my kernels:k").endswith("--impl 'my kernels:k'")
     assert "--modes" not in rerun_command(Point("tiny", "float32"), "stage", "k")
     # a sharded point runs under pytest only
-    assert rerun_command(Point("small", "float32", 1, 1, mesh=(2, 4)), "dense") == (
-        "python -m pytest tests/sharded -n 0 -m sharded -k small-float32-ichunk1-tchunk1-mesh2x4-dense")
+    assert rerun_command(Point("small", "float32", 1, 1, mesh=(2, 1, 4)), "dense") == (
+        "python -m pytest tests/sharded -n 0 -m sharded -k small-float32-ichunk1-tchunk1-mesh2x1x4-dense")
 
 
 def _records():

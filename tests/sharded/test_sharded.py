@@ -40,11 +40,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_impl
+from harness.cases import CASES
 from harness.collect import evaluate
 from harness.compare import compare_close, to_numpy
 from harness.fixtures import load_case
 from harness.matrix import Point as HPoint
-from harness.matrix import entries_at
+from harness.matrix import entries_at, seq_split_reason
 from harness.report import failure_text
 from harness.tolerance import EXACT64, chunk_bound
 from jax_impl import sharded
@@ -54,40 +55,51 @@ pytestmark = pytest.mark.sharded
 PARAMS = jax_impl.PARAM_NAMES
 FWD = ("compressed_keys", "index_scores")
 
-# The matrix slice, as data: (case, dtype, mesh (data, model), chunk, modes). `chunk` is both
-# indexer_head_chunk and loss_head_chunk, in LOCAL heads (small/packed: HI = H = 8).
+# The slice, as data: (case, dtype, mesh (data, seq, model), chunk, query chunk, modes). `chunk`
+# is both indexer_head_chunk and loss_head_chunk, in LOCAL heads (small/packed: HI = H = 8); the
+# query chunk walks a device's own rows. Each knob of small and packed meets each layout: heads
+# alone over `model` (2x1x4), the three axes crossed (2x2x2), the sequence over 4 devices beside
+# 2 head groups (1x4x2), in float64 (exact64) and float32 (the CHUNK bound).
 MAIN = [
-    (case, dtype, (2, 4), chunk, ("dense", "sparse"))
+    (case, dtype, mesh, chunk, qchunk, ("dense", "sparse"))
     for case in ("small", "packed")
     for dtype in ("float64", "float32")
-    for chunk in (0, 1, 2)
+    for mesh, chunk, qchunk in (((2, 1, 4), 0, 0), ((2, 2, 2), 1, 5), ((1, 4, 2), 2, 0))
 ]
 EXTRA = [
-    ("small", "float32", (1, 8), 1, ("sparse",)),  # one head per device, batch unsplit
-    ("packed", "float64", (2, 2), 2, ("dense",)),  # 4 local heads in 2 chunks of 2
+    ("small", "float32", (1, 1, 8), 1, 0, ("sparse",)),  # one head per device, batch unsplit
+    ("small", "float64", (1, 8, 1), 0, 0, ("dense", "sparse")),  # the sequence alone over 8 devices: L = 8, 2 blocks each
+    ("packed", "float64", (2, 1, 2), 2, 0, ("dense",)),  # 4 local heads in 2 chunks of 2
+    ("packed_edges", "float64", (1, 4, 1), 0, 0, ("dense", "sparse")),  # documents start on and beside device edges
+    ("packed_edges", "float32", (2, 2, 1), 1, 3, ("dense", "sparse")),
 ]
-POINTS = MAIN + EXTRA
-# The compressed teacher (its goldens: small and packed), on the mesh of MAIN at chunk 1, one
-# dtype per layout (the programs are MAIN's but for the teacher: two more compiles, not four).
-COMPRESSED = [("small", "float32", (2, 4), 1, ("dense", "sparse")),
-              ("packed", "float64", (2, 4), 1, ("dense", "sparse"))]
-
-
-def _id(case, dtype, mesh, chunk):
-    return f"{case}-{dtype}-mesh{mesh[0]}x{mesh[1]}-chunk{chunk}"
+# The sequence axis on every other case (float64, 2 devices along the sequence): each case runs
+# there, or is not_applicable with the reason (ragged's S=30 and no_blocks' S=3 do not split
+# into whole blocks) and is reported so, never dropped.
+SEQ_CASES = [(case, "float64", (1, 2, 1), 0, 0, ("dense", "sparse"))
+             for case in CASES if case not in ("small", "packed", "packed_edges")]
+POINTS = MAIN + EXTRA + SEQ_CASES
+# The compressed teacher (its goldens: small and packed), on the crossed mesh at chunk 1, one
+# dtype per case.
+COMPRESSED = [("small", "float32", (2, 2, 2), 1, 0, ("dense", "sparse")),
+              ("packed", "float64", (2, 2, 2), 1, 5, ("dense", "sparse"))]
 
 
 # One matrix entry per (point, mode, quantity), ids like the matrix's with the mesh in them:
-# `small-float32-ichunk2-tchunk2-mesh2x4-sparse-grad.indexer.wq_b` (and `...-mesh2x4-compressed-...`
+# `small-float32-ichunk2-tchunk2-mesh1x4x2-sparse-grad.indexer.wq_b` (and `...-compressed-...`
 # for the compressed teacher, whose points have no forward entries: they do not depend on it).
+def _point(c, d, m, k, q, teacher="joint"):
+    return HPoint(c, d, k, k, q, mesh=m, teacher=teacher)
+
+
 ENTRIES = [
     entry
-    for c, d, m, k, modes in POINTS
-    for entry in entries_at(HPoint(c, d, k, k, mesh=m), modes=("forward", *modes))
+    for c, d, m, k, q, modes in POINTS
+    for entry in entries_at(_point(c, d, m, k, q), modes=("forward", *modes))
 ] + [
     entry
-    for c, d, m, k, modes in COMPRESSED
-    for entry in entries_at(HPoint(c, d, k, k, mesh=m, teacher="compressed"), modes=modes)
+    for c, d, m, k, q, modes in COMPRESSED
+    for entry in entries_at(_point(c, d, m, k, q, "compressed"), modes=modes)
 ]
 
 
@@ -100,8 +112,8 @@ def _fixture(case):
 
 
 @functools.lru_cache(maxsize=None)
-def _mesh(shape, axes=("data", "model")):
-    n = shape[0] * shape[1]
+def _mesh(shape, axes=("data", "seq", "model")):
+    n = int(np.prod(shape))
     if jax.device_count() < n:
         pytest.skip(f"mesh {shape[0]}x{shape[1]} needs {n} devices, JAX has {jax.device_count()}")
     return Mesh(np.array(jax.devices()[:n]).reshape(shape), axes)
@@ -122,16 +134,17 @@ def _host(bundle):
     return out
 
 
-# One compiled program per (config, dtype, chunk[, mesh]) for everything a point checks:
-# forward, dense, sparse on the own top-k, and sparse on the oracle's top-k. small and packed
-# share a config and shapes, so they share the programs too.
+# One compiled program per (config, dtype, chunk, mesh) for everything a point checks:
+# forward, dense, sparse on the own top-k, and sparse on the oracle's top-k.
 @functools.lru_cache(maxsize=None)
 def _sharded(case, dtype, mesh_shape, chunk):
     fx, mesh = _fixture(case), _mesh(mesh_shape)
     sel = fx.goldens["float64"]["topk_indices"]
     bundle = sharded.sharded_parity_bundle(fx.params, fx.inputs, _cfg(case, chunk), dtype, mesh, sel)
-    # Outputs are laid out by batch over `data`, gradients like their parameters.
-    assert bundle["forward"]["index_scores"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 3)
+    # Outputs are laid out by batch over `data` and by token rows (the keys: by block) over
+    # `seq`, gradients like their parameters.
+    for name in ("compressed_keys", "index_scores", "topk_indices"):
+        assert bundle["forward"][name].sharding.is_equivalent_to(NamedSharding(mesh, P("data", "seq")), 3)
     assert bundle["dense"][1]["indexer.wq_b"].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
     return _host(bundle)
 
@@ -151,25 +164,32 @@ def _assert_all(results, context):
 @pytest.mark.parametrize("entry", [pytest.param(e, id=e.id) for e in ENTRIES])
 def test_sharded_entry(entry):
     """The same path as the parity matrix: collect (jax_impl.sharded on the point's mesh, the
-    fixture goldens, and jax_impl on one device at the same chunks as `native`), then judge:
-    `chunk` checks are sharded vs single-device (CHUNK bound), oracle checks the matrix rule."""
+    fixture goldens, and jax_impl on one device at the same knobs as `native`), then judge:
+    `chunk` checks are sharded vs single-device (CHUNK bound), oracle checks the matrix rule.
+    A case whose sequence does not split into whole blocks over the mesh's `seq` is judged
+    not_applicable, with the reason, on every check."""
     results = evaluate(entry, reference="goldens")
+    why = seq_split_reason(entry.point.case, entry.point.mesh[1])
+    if why:
+        assert results and all(r.status == "not_applicable" and why in r.message for r in results), \
+            [r.message for r in results]
+        return
     assert results and not any(r.status == "not_applicable" for r in results), [r.message for r in results]
     assert not any(r.failed for r in results), failure_text(entry, results, "goldens")
 
 
 def test_sharded_outputs_are_laid_out_on_the_mesh():
-    """Outputs are laid out by batch over `data`, gradients like their parameters."""
-    _sharded("small", "float32", (2, 4), 1)
+    """Outputs are laid out by batch over `data` and rows over `seq`, gradients like their parameters."""
+    _sharded("small", "float32", (2, 2, 2), 2)
 
 
 def test_entry_points_match_the_bundle_with_any_axis_names():
     """sharded_forward / sharded_loss / sharded_loss_and_grads give the bundle's values, on a
-    mesh whose axes are called 'batch' and 'heads'."""
+    mesh whose axes are called 'batch', 'tokens' and 'heads'."""
     fx, chunk, dtype = _fixture("small"), 2, "float32"
-    mesh = _mesh((2, 4), ("batch", "heads"))
-    axes = {"data_axis": "batch", "model_axis": "heads"}
-    ref = _sharded("small", dtype, (2, 4), chunk)
+    mesh = _mesh((2, 2, 2), ("batch", "tokens", "heads"))
+    axes = {"data_axis": "batch", "model_axis": "heads", "seq_axis": "tokens"}
+    ref = _sharded("small", dtype, (2, 2, 2), chunk)
     fwd = sharded.sharded_forward(fx.params, fx.inputs, _cfg("small", chunk), dtype, mesh, **axes)
     loss = sharded.sharded_loss(fx.params, fx.inputs, _cfg("small", chunk, "sparse"), dtype, mesh, **axes)
     dense = sharded.sharded_loss_and_grads(fx.params, fx.inputs, _cfg("small", chunk), dtype, mesh, **axes)
@@ -178,7 +198,7 @@ def test_entry_points_match_the_bundle_with_any_axis_names():
     results.append(_single_check("loss.dense", to_numpy(dense[0]), ref["dense"][0], dtype))
     results += [_single_check(f"grad.dense.{p}", to_numpy(dense[1][p]), ref["dense"][1][p], dtype) for p in PARAMS]
     assert np.array_equal(to_numpy(fwd["topk_indices"]), ref["forward"]["topk_indices"])
-    _assert_all(results, "entry points, mesh axes ('batch', 'heads')")
+    _assert_all(results, "entry points, mesh axes ('batch', 'tokens', 'heads')")
 
 
 def _scan_lengths(jaxpr):
@@ -195,26 +215,38 @@ def _scan_lengths(jaxpr):
     return out
 
 
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 2, 4)])
 @pytest.mark.parametrize("window", [0, 5])
-def test_chunks_walk_the_local_heads(window):
-    """On a 2x4 mesh with chunk 1, each device scans its 2 indexer heads and 2 teacher heads:
-    every scan has 2 steps, not the 8 of a scan over the global heads, with or without the
-    joint teacher's window (5 tokens here: small's own 8 would read like the 8 global heads;
-    the window is one banded contraction per head step, not a scan)."""
-    fx, mesh = _fixture("small"), _mesh((2, 4))
+def test_chunks_walk_the_local_heads(window, mesh_shape):
+    """On a mesh with 4 head groups and chunk 1, each device scans its 2 indexer heads and 2
+    teacher heads: every scan has 2 steps, not the 8 of a scan over the global heads, with or
+    without the joint teacher's window (5 tokens here: small's own 8 would read like the 8
+    global heads; the window is one banded contraction per head step, not a scan), with or
+    without the sequence split (one query block holds a device's rows: no scan over them)."""
+    fx, mesh = _fixture("small"), _mesh(mesh_shape)
     cfg = dataclasses.replace(_cfg("small", 1, "sparse"), sliding_window=window)
-    args = sharded._prepare_sharded(fx.params, fx.inputs, cfg, "float32", mesh, "data", "model")
-    traced = sharded._loss_jit.trace(*args, cfg, "float32", mesh, "data", "model")
+    args, lay = sharded._prepare_sharded(fx.params, fx.inputs, cfg, "float32", mesh, "data", "model", None)
+    traced = sharded._loss_jit.trace(*args, cfg, "float32", mesh, lay)
     lengths = _scan_lengths(traced.jaxpr.jaxpr)
     assert lengths and set(lengths) == {2}, lengths
+
+
+def test_query_chunks_walk_the_local_rows():
+    """query_chunk = 5 on a sequence split over 2 devices walks each device's 32 rows: 7 blocks
+    (the last one 3 rows short), not the 13 of the whole 64-token sequence."""
+    fx, mesh = _fixture("small"), _mesh((1, 2, 4))
+    cfg = dataclasses.replace(_cfg("small", 1, "sparse"), query_chunk=5)
+    args, lay = sharded._prepare_sharded(fx.params, fx.inputs, cfg, "float32", mesh, "data", "model", None)
+    lengths = _scan_lengths(sharded._loss_jit.trace(*args, cfg, "float32", mesh, lay).jaxpr.jaxpr)
+    assert 7 in lengths and 13 not in lengths and set(lengths) <= {2, 7}, lengths
 
 
 # --------------------------------------------------------------------------- errors
 
 
-def _err(case, mesh_shape, axes=("data", "model"), **over):
+def _err(case, mesh_shape, axes=("data", "seq", "model"), **over):
     fx = _fixture(case)
-    n = mesh_shape[0] * mesh_shape[1]
+    n = int(np.prod(mesh_shape))
     if jax.device_count() < n:
         pytest.skip(f"needs {n} devices")
     mesh = Mesh(np.array(jax.devices()[:n]).reshape(mesh_shape), axes)
@@ -224,43 +256,56 @@ def _err(case, mesh_shape, axes=("data", "model"), **over):
 
 BAD_SPLITS = {
     "indexer-chunk-not-local": (
-        (2, 4), {"indexer_head_chunk": 4},
+        "small", (2, 1, 4), {"indexer_head_chunk": 4},
         "indexer_head_chunk=4 must divide the local index heads: index_n_heads=8 over mesh axis "
         "'model' of size 4 leaves 2 per device (valid: 0, 1, 2)"),
     "loss-chunk-not-local": (
-        (1, 8), {"loss_head_chunk": 2},
+        "small", (1, 1, 8), {"loss_head_chunk": 2},
         "loss_head_chunk=2 must divide the local teacher heads: num_query_heads=8 over mesh axis "
         "'model' of size 8 leaves 1 per device (valid: 0, 1)"),
     "heads-not-divisible": (
-        (1, 3), {},
+        "small", (1, 1, 3), {},
         "index_n_heads=8 must be divisible by the size 3 of mesh axis 'model' (heads are split "
         "over it; valid sizes: 1, 2, 4, 8)"),
     "batch-not-divisible": (
-        (4, 2), {},
+        "small", (4, 1, 2), {},
         "batch B=2 must be divisible by the size 4 of mesh axis 'data' (the batch is split over "
         "it; valid sizes: 1, 2)"),
+    "sequence-not-divisible": (
+        "small", (1, 3, 1), {},
+        "sequence length S=64 must split into whole blocks of compress_ratio=4 over the size 3 of "
+        "mesh axis 'seq' (S=64 is not divisible by it; valid sizes: 1, 2, 4, 8, 16)"),
+    "device-length-not-whole-blocks": (
+        "tiny", (1, 8, 1), {},
+        "sequence length S=16 must split into whole blocks of compress_ratio=4 over the size 8 of "
+        "mesh axis 'seq' (that leaves 2 tokens per device, not a multiple of compress_ratio=4; "
+        "valid sizes: 1, 2, 4)"),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD_SPLITS))
 @pytest.mark.parametrize("entry", ["forward", "loss_and_grads"])
 def test_bad_split_is_a_clear_error(name, entry):
-    mesh_shape, over, message = BAD_SPLITS[name]
-    fx, cfg, mesh = _err("small", mesh_shape, **over)
+    case, mesh_shape, over, message = BAD_SPLITS[name]
+    fx, cfg, mesh = _err(case, mesh_shape, **over)
     fn = sharded.sharded_forward if entry == "forward" else sharded.sharded_loss_and_grads
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         fn(fx.params, fx.inputs, cfg, "float32", mesh)
 
 
-def test_unknown_mesh_axis_is_a_clear_error():
-    fx, cfg, mesh = _err("small", (2, 4), axes=("batch", "model"))
-    message = "data_axis='data' is not an axis of the mesh (axes: 'batch', 'model')"
+@pytest.mark.parametrize("axes, kwargs, message", [
+    (("batch", "seq", "model"), {}, "data_axis='data' is not an axis of the mesh (axes: 'batch', 'seq', 'model')"),
+    (("data", "seq", "model"), {"seq_axis": "tokens"},
+     "seq_axis='tokens' is not an axis of the mesh (axes: 'data', 'seq', 'model')"),
+])
+def test_unknown_mesh_axis_is_a_clear_error(axes, kwargs, message):
+    fx, cfg, mesh = _err("small", (2, 2, 2), axes=axes)
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        sharded.sharded_forward(fx.params, fx.inputs, cfg, "float32", mesh)
+        sharded.sharded_forward(fx.params, fx.inputs, cfg, "float32", mesh, **kwargs)
 
 
 def test_inputs_are_validated_before_the_mesh():
-    fx, cfg, mesh = _err("small", (2, 4))
+    fx, cfg, mesh = _err("small", (2, 2, 2))
     bad = dict(fx.inputs, q_latent=fx.inputs["q_latent"][:, :, :5])
     with pytest.raises(ValueError, match=re.escape("inputs['q_latent'] has shape (2, 64, 5)")):
         sharded.sharded_loss_and_grads(fx.params, bad, cfg, "float32", mesh)
