@@ -73,7 +73,7 @@ test: $(STAMP)
 
 # The jax 0.12 leg (Python 3.12, no torch): the matrix's ci sample in float64 (the exact64
 # checks, which any change of semantics in the newer XLA fails) and bfloat16 (the rounding of
-# the low-precision path), 42 of its 70 programs, judged against the fixture goldens; then the
+# the low-precision path), 45 of its 73 programs, judged against the fixture goldens; then the
 # layer and API tests. `make test` runs the whole ci sample on the pinned jax; set
 # SAMPLE312=default DTYPES312=float32,bfloat16,float16,float64 for the whole default matrix here.
 # Tests that need torch skip (CSA_PARITY_NO_TORCH=1 says this leg has none on purpose; anywhere

@@ -212,9 +212,9 @@ def chunk_points(case: str, dtype: str, sample: str = "default") -> list[tuple[i
 # its combined chunk point). A chunked point is judged against the native point of its own
 # dtype, so the combined dtypes are a subset of the native ones. Chosen so that every dtype runs
 # natively on 7 of the 14 cases beyond the sweep cases and holds the combined point of 2 of the
-# 8 original ones, and so that the mutation self-test's points (tiny, packed, sink_only and
-# yarn_tail in float64) are ci points whose programs the self-test loads from the run's
-# compilation cache. A case missing here is an error (tests/test_matrix_samples.py).
+# 8 original ones (packed_edges, for the sequence-sharded slice, adds bfloat16 and float64), and
+# so that the mutation self-test's points (tiny, packed, sink_only, yarn_tail and packed_edges
+# in float64) are ci points whose programs the self-test loads from the run's compilation cache. A case missing here is an error (tests/test_matrix_samples.py).
 CI_DTYPES = {
     "tiny": (("float16", "float64"), ("float16",)),
     "small": (DTYPES, ("float16", "float64")),
@@ -232,7 +232,7 @@ CI_DTYPES = {
     "window_heavy": (("float16", "float64"), ()),
     "teacher_gap": (("bfloat16", "float32"), ()),
     "yarn_tail": (("float16", "float64"), ("float64",)),
-    "packed_edges": (("bfloat16", "float64"), ()),
+    "packed_edges": (("bfloat16", "float64"), ("float64",)),
 }
 # On sweep case j, value class c runs in one of the dtypes the default sample sweeps that knob
 # in, the (c + j)-th.

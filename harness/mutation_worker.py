@@ -30,6 +30,8 @@ import resource
 import sys
 import traceback
 
+import numpy as np
+
 PACKAGE = "jax_impl"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,6 +121,11 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
     os.environ["JAX_ENABLE_X64"] = "1"
     import jax
 
+    from harness.matrix import Point
+
+    meshes = [p.mesh for p in (Point.parse(s) if isinstance(s, str) else s for s in points) if p.mesh]
+    if meshes:  # sharded points: simulated CPU devices, set before the backend starts (it has not yet)
+        jax.config.update("jax_num_cpu_devices", max(int(np.prod(m)) for m in meshes))
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", "highest")
     # CPU always: where the memory bound was measured, and never N workers preallocating one GPU.

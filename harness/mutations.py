@@ -77,6 +77,11 @@ TINY64_QCHUNK = Point("tiny", "float64", qchunk=5)
 # The joint teacher's and YaRN's cases (harness/cases.py), float64.
 SINK_ONLY64 = Point("sink_only", "float64")
 YARN64 = Point("yarn_tail", "float64")
+# The sequence split over 4 devices (mesh data 1 x seq 4 x model 1: 8 rows each, 2 blocks each):
+# packed_edges, whose documents start on a device edge (token 16) and beside one, with a
+# 6-token window that crosses every edge. The worker runs it on 8 simulated CPU devices
+# (mutation_worker.run); the `chunk` check compares it with one device at the same knobs.
+EDGES64_SEQ4 = Point("packed_edges", "float64", mesh=(1, 4, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,6 +538,68 @@ CATALOGUE: tuple[Mutant, ...] = (
         "        dq_ref[h] += mk\n",
         ("kernel",), (), "dq kernel: the head weight w[b,s,h] left out of dq",
         kernel=True, killing_test="tests/test_pallas.py",
+    ),
+    # ------------------------------------------- the sequence split over devices (jax_impl.sharded)
+    Mutant(
+        "seq_halo_missing", "pooling", "sharded.py",
+        "        return kv_a, gate_a, first, jax.lax.axis_index(lay.seq) > 0\n",
+        "        return kv_a, gate_a, first, jax.lax.axis_index(lay.seq) > lay.p\n",
+        ("exact64", "chunk"), (EDGES64_SEQ4,),
+        "context parallelism: no pooling halo, block 0 of every device pooled as if it started the "
+        "sequence (the previous device's `a` slots dropped)",
+        killing_test="tests/sharded/test_sharded.py",
+    ),
+    Mutant(
+        "seq_halo_wrong_neighbour", "pooling", "sharded.py",
+        "    return jax.lax.ppermute(x, lay.seq, [(i, i + hops) for i in range(lay.p - hops)])\n",
+        "    return jax.lax.ppermute(x, lay.seq, [(i + hops, i) for i in range(lay.p - hops)])\n",
+        ("exact64", "chunk"), (EDGES64_SEQ4,),
+        "context parallelism: the halos (pooling and window) received from the NEXT device instead "
+        "of the previous one",
+        killing_test="tests/sharded/test_sharded.py",
+    ),
+    Mutant(
+        "seq_halo_ignores_document", "pooling", "pooling.py",
+        "        first_prev = jnp.concatenate([first_h[:, None], first[:, :-1]], axis=1)\n",
+        "        first_prev = jnp.concatenate([first[:, :1] - m, first[:, :-1]], axis=1)\n",
+        ("exact64", "chunk"), (EDGES64_SEQ4,),
+        "context parallelism: the halo block from the previous device always taken to continue the "
+        "document (SPEC section 5's boundary rule not applied to it)",
+        killing_test="tests/sharded/test_sharded.py",
+    ),
+    Mutant(
+        "seq_loss_count_per_device", "loss", "query_blocks.py",
+        "    total = _apply(shard.sum_rows, jnp.sum(kl))\n"
+        "    count = _apply(shard.sum_rows, jnp.sum(valid_tok))\n"
+        "    return cfg.loss_scale * total / jnp.maximum(count, 1).astype(wide)\n",
+        "    total = jnp.sum(kl) / jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)\n"
+        "    count = _apply(shard.sum_rows, jnp.ones((), wide))\n"
+        "    return cfg.loss_scale * _apply(shard.sum_rows, total) / count\n",
+        ("exact64", "chunk"), (EDGES64_SEQ4,),
+        "context parallelism: the loss's count of valid rows not summed over the devices: each "
+        "device divides its own KL sum by its own count and the devices' means are averaged "
+        "(the same on one device; wrong wherever devices hold different counts)",
+        killing_test="tests/sharded/test_sharded.py",
+    ),
+    Mutant(
+        "seq_positions_not_offset", "loss", "sharded.py",
+        "        origin = jax.lax.axis_index(lay.seq) * rows - h  # the token index of ext row 0\n",
+        "        origin = -h  # the token index of ext row 0\n",
+        ("exact64", "chunk"), (EDGES64_SEQ4,),
+        "context parallelism: a device's token indices not offset by its place in the sequence "
+        "(every device takes its rows for tokens 0..L-1, so its window's halo rows count as before "
+        "the sequence)",
+        killing_test="tests/sharded/test_sharded.py",
+    ),
+    Mutant(
+        "seq_keys_cotangent_not_returned", "scoring", "sharded.py",
+        "    return jax.lax.all_gather(x, lay.seq, axis=1, tiled=True)\n",
+        "    full = jax.lax.all_gather(jax.lax.stop_gradient(x), lay.seq, axis=1, tiled=True)\n"
+        "    return jax.lax.dynamic_update_slice_in_dim(full, x, jax.lax.axis_index(lay.seq) * x.shape[1], axis=1)\n",
+        ("exact64", "chunk"), (EDGES64_SEQ4,),
+        "context parallelism: the gathered keys' cotangent not returned to the device that pooled "
+        "each block (only the owner's own queries train its keys)",
+        killing_test="tests/sharded/test_sharded.py",
     ),
 )
 
