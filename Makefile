@@ -41,12 +41,12 @@ parity: $(STAMP)
 # The whole suite, in two processes side by side (each pytest one process). The main one: the
 # tests on the ci sample of the matrix (SAMPLE=default or full for more; docs/matrix.md says
 # what each holds), the matrix first. Beside it: fixtures --check, then the implementation's
-# mutation self-test (its mutants recompile the programs they change: the main process's
-# compilation cache would save it little), the random configurations and the query-chunk tests
+# mutation self-test (its mutants recompile the programs they change; its clean run loads what the
+# main process compiled: both share one compilation cache), the random configurations and the query-chunk tests
 # (a process of their own: under xdist XLA:CPU's compiler segfaulted on query-blocked
 # programs, once in each file; run alone, both pass), the judge's mutation self-test (one
 # pytest start per mutant, no JAX program) and crash isolation; then the sharded slice (8
-# simulated devices, set before JAX starts). The split keeps the two about even on the 2-core
+# simulated devices, set before JAX starts; the same sample as the main process). The split keeps the two about even on the 2-core
 # CI machine (`.ci/run`'s log prints each one's time). The side process's output is printed
 # whole when both have ended; the target fails if either does. XDIST=0: on 2 cores two xdist
 # workers were slower than one process (the ties/tiny/ragged slice: 172 s with -n 2, 134 s with
@@ -57,10 +57,12 @@ XDIST ?= 0
 SIDE_TESTS := tests/test_mutations.py tests/test_random_configs.py tests/test_query_chunk.py \
 	tests/test_judge_mutations.py tests/test_isolation.py
 test: $(STAMP)
-	@side=$$(mktemp); t0=$$(date +%s); \
+	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
+	export JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296; \
 	{ $(BIN)/python scripts/regenerate_fixtures.py --check && \
 	  $(BIN)/python -m pytest $(SIDE_TESTS) -n 0 --durations=10 && \
-	  $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; \
+	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; \
 	  rc=$$?; echo "=== make test: the side process ended after $$(( $$(date +%s) - t0 )) s"; exit $$rc; } \
 		>"$$side" 2>&1 & pid=$$!; \
 	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest -n $(XDIST) --durations=25 \
