@@ -43,9 +43,12 @@ def seq_split_reason(case: str, seq: int) -> str | None:
     m = c.config["compress_ratio"]
     if c.seq_len % seq == 0 and (c.seq_len // seq) % m == 0:
         return None
-    valid = [p for p in divisors(c.seq_len) if (c.seq_len // p) % m == 0]
+    valid = [p for p in divisors(c.seq_len) if p > 1 and (c.seq_len // p) % m == 0]
+    sizes = (f"valid seq sizes: {', '.join(map(str, valid))}" if valid else
+             "no seq size above 1 does" + (f": S={c.seq_len} is not a multiple of m" if c.seq_len % m else
+                                          f": S holds {c.seq_len // m} block(s)"))
     return (f"not applicable: case {case} (S={c.seq_len}, m={m}) does not split into whole blocks over "
-            f"seq={seq} devices (S/seq must be a multiple of m; valid seq sizes: {', '.join(map(str, valid))})")
+            f"seq={seq} devices (S/seq must be a multiple of m; {sizes})")
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -14,8 +14,8 @@ What it reads, all cheap (a few seconds, no JAX program compiled):
 - a parity report, `reports/parity.json` by default (`make parity` or any `csa-parity run`
   writes it): its selection, wall time, slowest points and headroom. `--run-parity` runs
   that report first, which takes as long as the run does (the default matrix: most of an
-  hour on 2 cores); without it the page says which report it read and the command that
-  wrote it.
+  hour on 2 cores). The section names the report and the command that wrote it; with no
+  report present (a fresh clone) the page keeps the section it has.
 
 Every section names the command that reproduces its figures. The docs pages link here
 instead of copying a figure that changes when the code, the catalogue or the machine does.
@@ -171,6 +171,11 @@ def parity_section(report: Path) -> list[str]:
 
     head = "## A parity run: headroom and time"
     if not report.exists():
+        # Keep the section the page has (it names the run it came from): a fresh clone has no
+        # reports/, and the other sections are cheap to regenerate there.
+        page = OUT.read_text() if OUT.exists() else ""
+        if head in page:
+            return page[page.index(head):].rstrip("\n").split("\n") + [""]
         return [head, "", f"No report at `{report}`: run `make parity` (or `csa-parity run ...`), then "
                 "`make figures`.", ""]
     data = json.loads(report.read_text())
