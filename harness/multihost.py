@@ -451,6 +451,10 @@ def main(argv=None) -> int:
             return judge_main(args)
         if not args.out or not args.point:
             raise UsageError("--out DIR and at least one --point SPEC are needed (or --judge DIR)")
+        for name in ("init_timeout", "heartbeat_timeout"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')}={value} must be at least 1 (seconds)")
         if args.local is not None:
             if args.local < 1 or args.devices_per_process < 1:
                 raise UsageError(f"--local={args.local} and --devices-per-process={args.devices_per_process} must "

@@ -51,6 +51,11 @@ gathered in the wide dtype: the reduce-scatter of their cotangents then adds the
 shares in the wide dtype, as one device adds its rows' (gathering in bfloat16 would halve the
 bytes and round every device's share to bfloat16 before the sum).
 
+Placement: every process holds the whole problem on its host and supplies its addressable shards
+of each global input (`jax.make_array_from_callback`), so one call runs on the devices of one
+process or, under `jax.distributed`, on a mesh over the devices of several (docs/multihost.md);
+the outputs are then global arrays, each process holding its own shards.
+
 This relies on two details of jax_impl: the scan carries of `scoring.raw_scores` and
 `loss.teacher_head_sum` start from zeros typed like their body's output (`zeros_like`), since
 under shard_map a scan's carry must vary over the same mesh axes going in and coming out; and
