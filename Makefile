@@ -14,7 +14,7 @@ VENV312 ?= .venv312
 BIN312 := $(VENV312)/bin
 STAMP312 := $(VENV312)/.installed
 
-.PHONY: venv venv312 parity test test312 check-fixtures regenerate-fixtures bench clean
+.PHONY: venv venv312 parity test test312 multihost check-fixtures regenerate-fixtures bench clean
 
 # --no-compile: pip skips byte-compiling every installed module (torch's thousands); Python
 # compiles the few it imports on first use. Measured: the .venv install 61 s -> 39 s wall.
@@ -48,7 +48,9 @@ parity: $(STAMP)
 # (a process of their own: under xdist XLA:CPU's compiler segfaulted on query-blocked
 # programs, once in each file; run alone, both pass), the judge's mutation self-test (one
 # pytest start per mutant, no JAX program) and crash isolation; then the sharded slice (8
-# simulated devices, set before JAX starts; the same sample as the main process). The split keeps the two about even on the 2-core
+# simulated devices, set before JAX starts; the same sample as the main process) and the
+# two-process slice (the sequence-sharded points across two processes of 4 devices each,
+# harness.multihost). The split keeps the two about even on the 2-core
 # CI machine (`.ci/run`'s log prints each one's time). The side process's output is printed
 # whole when both have ended; the target fails if either does. XDIST=0: on 2 cores two xdist
 # workers were slower than one process (the ties/tiny/ragged slice: 172 s with -n 2, 134 s with
@@ -64,14 +66,15 @@ test: $(STAMP)
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296; \
 	{ $(BIN)/python scripts/regenerate_fixtures.py --check && \
 	  $(BIN)/python -m pytest $(SIDE_TESTS) -n 0 --durations=10 && \
-	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; \
+	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5 && \
+	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/multihost -n 0 -m multihost --durations=5; \
 	  rc=$$?; echo "=== make test: the side process ended after $$(( $$(date +%s) - t0 )) s"; exit $$rc; } \
 		>"$$side" 2>&1 & pid=$$!; \
 	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest -n $(XDIST) --durations=25 \
 		$(foreach f,$(SIDE_TESTS),--ignore=$(f)); main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: fixtures --check, mutation self-tests, random configurations, query chunks, crash isolation, sharded slice (run beside the tests above)"; \
+	echo "=== make test: fixtures --check, mutation self-tests, random configurations, query chunks, crash isolation, sharded slice, two-process slice (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
@@ -95,6 +98,11 @@ test312: $(STAMP312)
 	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --dtypes $(DTYPES312) --out reports-py312 \
 		--no-progress && \
 	CSA_PARITY_NO_TORCH=1 $(BIN312)/python -m pytest -n $(XDIST) --durations=10 $(TEST312_FILES)
+
+# The two-process slice alone (docs/multihost.md): two processes of 4 simulated CPU devices run
+# the sequence-sharded points as one program, then the judge; about a minute on 2 cores.
+multihost: $(STAMP)
+	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/multihost -n 0 -m multihost --durations=5
 
 check-fixtures: $(STAMP)
 	$(BIN)/python scripts/regenerate_fixtures.py --check

@@ -38,18 +38,23 @@ def policy(profile: str = "highest") -> Policy:
     return Policy(profile, platforms.current_backend())
 
 
-def collect(entry: Entry, reference: str = "live") -> tuple[Outputs, References]:
+def collect(entry: Entry, reference: str = "live", candidate: Outputs | None = None) -> tuple[Outputs, References]:
     """The candidate's outputs at the entry's point, and what they are judged against: the
     reference (`live` torch_ref or the fixture `goldens`) in float64 and at the entry's
     dtype with its stored order errors, and the candidate's own run at `point.native`
-    (chunked: unchunked; sharded: the same knobs on one device)."""
+    (chunked: unchunked; sharded: the same knobs on one device).
+
+    `candidate`: outputs computed elsewhere (the two-process form, harness.multihost, reads
+    them back from the bundle its processes wrote) instead of `outputs(entry.impl, ...)` here;
+    the references, the native run included, are collected here as for any point."""
     p, ref = entry.point, reference_name(reference)
     backend = platforms.current_backend()
     reason = platforms.not_applicable(p.dtype, entry.kind, backend)
     if reason is not None:
         na = Outputs(entry.impl, not_applicable=platforms.not_applicable_label(backend, reason))
         return na, References(oracle=na, at_dtype=na)
-    candidate = outputs(entry.impl, p.case, p)
+    if candidate is None:
+        candidate = outputs(entry.impl, p.case, p)
     if entry.mode == STAGE_MODE:  # a stage plug-in: judged against the live reference's stage
         if ref != "torch_ref":
             na = Outputs(entry.impl, not_applicable=(
@@ -92,10 +97,12 @@ def _own_error(entry: Entry, sides) -> Outputs | None:
     return None
 
 
-def evaluate(entry: Entry, reference: str = "live", profile: str = "highest") -> list[CheckResult]:
+def evaluate(entry: Entry, reference: str = "live", profile: str = "highest",
+             candidate: Outputs | None = None) -> list[CheckResult]:
     """Every check of one entry. `profile` picks the tolerance profile matching the matmul
-    precision the candidate ran at (harness.tolerance.PROFILES)."""
-    candidate, references = collect(entry, reference)
+    precision the candidate ran at (harness.tolerance.PROFILES); `candidate`: outputs computed
+    elsewhere (`collect`)."""
+    candidate, references = collect(entry, reference, candidate)
     results = judge(entry, candidate, references, policy(profile))
     if any(r.status == FAILED for r in results) and entry.mode != STAGE_MODE:
         line = diagnose(entry, reference, profile)

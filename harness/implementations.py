@@ -96,6 +96,19 @@ def run_config(problem_config: Mapping[str, Any], point: Point, sparse: bool) ->
     return cfg
 
 
+def bundle_values(raw) -> dict[str, np.ndarray]:
+    """The stored form of a parity bundle (`indexer_parity_bundle`, `sharded_parity_bundle`:
+    {"forward": dict, "dense" | "sparse" | "sparse_at_selection": (loss, param_grads,
+    input_grads)}): canonical name -> host array, `sparse_at_selection` stored as the
+    `sparse_at_oracle` variant (the selection a bundle is handed is the oracle's top-k)."""
+    missing = [k for k in ("forward", "dense", "sparse", "sparse_at_selection") if k not in raw]
+    if missing:
+        raise ValueError(f"a parity bundle must hold forward, dense, sparse and sparse_at_selection; "
+                         f"this one lacks {', '.join(missing)}")
+    return _canonical(raw["forward"], {"dense": raw["dense"], "sparse": raw["sparse"],
+                                       "sparse_at_oracle": raw["sparse_at_selection"]})
+
+
 def _canonical(forward, runs) -> dict[str, np.ndarray]:
     """Canonical names from a forward dict and {variant: (loss, param_grads, input_grads)}."""
     values = {k: to_numpy(v) for k, v in (forward or {}).items() if k in FORWARD_QUANTITIES}
@@ -153,9 +166,7 @@ class ProtocolImplementation:
         values, errors = {}, {}
         if callable(bundle) and selection is not None and losses:
             with worker.stage(f"{self.name} indexer_parity_bundle", point.label):
-                raw = bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection)
-                values = _canonical(raw["forward"], {"dense": raw["dense"], "sparse": raw["sparse"],
-                                                     "sparse_at_oracle": raw["sparse_at_selection"]})
+                values = bundle_values(bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection))
         else:
             # One call at a time, each owning its quantities: a loss that raises leaves the forward judged.
             if self._has("indexer_forward"):
@@ -202,10 +213,8 @@ class ProtocolImplementation:
         mesh = Mesh(np.array(jax.devices()[:n]).reshape(point.mesh), ("data", "seq", "model"))
         cfg = self.config(run_config(problem.config, point, False))
         with worker.stage(f"{self.name} sharded_parity_bundle", point.label):
-            raw = sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype, mesh,
-                                                problem.oracle_selection)
-            runs = {"dense": raw["dense"], "sparse": raw["sparse"], "sparse_at_oracle": raw["sparse_at_selection"]}
-            values = _canonical(raw["forward"], runs)
+            values = bundle_values(sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype,
+                                                                 mesh, problem.oracle_selection))
         return Outputs(f"{self.name} mesh {mesh_text(point.mesh)}", values, self.missing(point))
 
 

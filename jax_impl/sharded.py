@@ -51,6 +51,11 @@ gathered in the wide dtype: the reduce-scatter of their cotangents then adds the
 shares in the wide dtype, as one device adds its rows' (gathering in bfloat16 would halve the
 bytes and round every device's share to bfloat16 before the sum).
 
+Placement: every process holds the whole problem on its host and supplies its addressable shards
+of each global input (`jax.make_array_from_callback`), so one call runs on the devices of one
+process or, under `jax.distributed`, on a mesh over the devices of several (docs/multihost.md);
+the outputs are then global arrays, each process holding its own shards.
+
 This relies on two details of jax_impl: the scan carries of `scoring.raw_scores` and
 `loss.teacher_head_sum` start from zeros typed like their body's output (`zeros_like`), since
 under shard_map a scan's carry must vary over the same mesh axes going in and coming out; and
@@ -361,8 +366,23 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, me
 # --------------------------------------------------------------------------- public API
 
 
+def _global_array(x, sharding: NamedSharding):
+    """`x` as one global array laid out by `sharding`, in a single- or a multi-process run.
+
+    Every process holds the whole of `x` on its host (the same values: the problem is data every
+    process loads), and supplies only its addressable shards (`make_array_from_callback`), so the
+    same call builds the array on 8 devices of one process and on the 4 + 4 devices of two.
+    `jax.device_put` cannot do the latter: it would need every device of the mesh to be this
+    process's. An array already global (not fully addressable: built by the caller across
+    processes) is left to `jax.device_put`, which reshards it on the devices."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _place(tree, specs, mesh):
-    return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
+    return {k: _global_array(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
 
 
 def _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis, selection=None):
@@ -374,7 +394,7 @@ def _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, se
     float_inputs = _place(float_inputs, specs, mesh)
     int_inputs = _place(int_inputs, specs, mesh)
     if selection is not None:
-        selection = jax.device_put(selection, NamedSharding(mesh, lay.rows()))
+        selection = _global_array(selection, NamedSharding(mesh, lay.rows()))
     return (wide_params, float_inputs, int_inputs, selection), lay
 
 

@@ -48,16 +48,20 @@ import jax  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 
-_SHARDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Slices that run in a pytest process of their own (the Makefile starts each): tests/sharded
+# needs 8 simulated devices set before JAX starts; tests/multihost starts processes that run
+# one program together, which a plain run's other work would slow past its deadlines.
+_OWN_PROCESS = tuple(os.path.join(_HERE, d) for d in ("sharded", "multihost"))
 
 
 def pytest_ignore_collect(collection_path, config):
-    """tests/sharded needs 8 simulated devices set before JAX starts, so it runs in its own
-    process (`pytest tests/sharded`, see the Makefile); a plain `pytest` leaves it out."""
-    if str(collection_path) != _SHARDED:
+    """A plain `pytest` leaves the own-process slices out; naming one (`pytest tests/sharded`,
+    `pytest tests/multihost -m multihost`) collects it."""
+    if str(collection_path) not in _OWN_PROCESS:
         return None
     asked = [os.path.abspath(str(a).split("::")[0]) for a in config.args]
-    return None if any(a.startswith(_SHARDED) for a in asked) else True
+    return None if any(a.startswith(str(collection_path)) for a in asked) else True
 
 
 # Parity runs at `highest` matmul precision unless a profile is asked for (the TPU job
