@@ -371,12 +371,22 @@ def _loss_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh
     return _loss_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay)
 
 
+def _laid_out(param_grads, input_grads, mesh, lay):
+    """The gradients placed like their parameters and inputs. The input gradients are zeros
+    that the transpose builds outside shard_map, with no sharding of their own: unconstrained,
+    XLA replicates them, a whole [B, S, H, D] teacher_query gradient on every device."""
+    def place(tree, specs):
+        return {k: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
+
+    return place(param_grads, _param_specs(lay)), place(input_grads, _input_specs(lay))
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _loss_and_grads_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay):
     grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1))
     loss, (param_grads, input_grads) = grad_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh,
                                                lay)
-    return loss, param_grads, input_grads
+    return loss, *_laid_out(param_grads, input_grads, mesh, lay)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -387,7 +397,7 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, me
     for mode, (sparse, sel) in modes.items():
         c = dataclasses.replace(cfg, sparse_loss=sparse)
         loss, (pg, ig) = grad_fn(params, float_inputs, int_inputs, sel, c, dtype_name, mesh, lay)
-        out[mode] = (loss, pg, ig)
+        out[mode] = (loss, *_laid_out(pg, ig, mesh, lay))
     return out
 
 
