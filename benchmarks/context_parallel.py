@@ -67,7 +67,7 @@ WORKING_SET_FACTOR, SLOPE_SLACK = 1.5, 0.1
 CATEGORIES = (
     "keys all-gather", "keys reduce-scatter", "teacher_kv all-gather", "validity all-gather",
     "pooling halo", "pooling halo cotangent", "window halo", "parameter gradients all-reduce",
-    "loss sum and count", "head sums over model", "keys cotangent over model", "other",
+    "loss sum and count", "all-reduce inside loops", "keys cotangent over model", "other",
 )
 
 
@@ -112,7 +112,9 @@ def category(kind: str, source: str, in_loop: bool) -> str:
     if "/params/" in source and kind == "all-reduce":
         return "parameter gradients all-reduce"
     if kind == "all-reduce" and in_loop:
-        return "head sums over model"
+        # With a `model` axis, each query block's head sums (by design); of the data or seq axes
+        # (a parameter's cotangent reduced in every iteration), never.
+        return "all-reduce inside loops"
     if kind == "all-reduce" and "/rows_loss/" in source and not backward:
         return "loss sum and count"
     if kind == "all-reduce" and "/keys/" in source:

@@ -250,6 +250,7 @@ def _gather_blocks(x, lay: Layout):
 def _shard(cfg: CSAConfig, lay: Layout, seq_len: int) -> Shard:
     """The row program's hooks for one device of the layout (query_blocks.Shard)."""
     seq = lay.p > 1
+
     def gather_teacher_kv(x):
         with jax.named_scope("teacher_kv_gather"):
             return _gather_blocks(x, lay)
@@ -375,6 +376,7 @@ def _laid_out(param_grads, input_grads, mesh, lay):
     """The gradients placed like their parameters and inputs. The input gradients are zeros
     that the transpose builds outside shard_map, with no sharding of their own: unconstrained,
     XLA replicates them, a whole [B, S, H, D] teacher_query gradient on every device."""
+
     def place(tree, specs):
         return {k: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
 

@@ -108,7 +108,7 @@ def test_comm_table_attributes_every_byte():
     assert t["keys reduce-scatter"]["bytes"] == 96 and t["keys all-gather"]["bytes"] == 5 * 48
     assert t["keys all-gather"]["inside_loops"] == 5 * 48
     assert t["pooling halo"]["bytes"] == 128 and t["pooling halo cotangent"]["bytes"] == 128
-    assert t["head sums over model"] == {"bytes": 15 * 192, "inside_loops": 15 * 192, "ops": 1}
+    assert t["all-reduce inside loops"] == {"bytes": 15 * 192, "inside_loops": 15 * 192, "ops": 1}
     assert t["other"]["bytes"] == 0
 
 
