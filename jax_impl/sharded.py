@@ -213,7 +213,7 @@ def _pool_halo(lay: Layout):
     def halo(kv_a, gate_a, first):
         with jax.named_scope("pool_halo"):
             kv_a, gate_a, first = (_from_previous(a, lay) for a in (kv_a, gate_a, first))
-            return kv_a, gate_a, first, jax.lax.axis_index(lay.seq) > 0
+        return kv_a, gate_a, first, jax.lax.axis_index(lay.seq) > 0
 
     return halo
 
