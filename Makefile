@@ -14,7 +14,7 @@ VENV312 ?= .venv312
 BIN312 := $(VENV312)/bin
 STAMP312 := $(VENV312)/.installed
 
-.PHONY: venv venv312 parity test test312 multihost check-fixtures regenerate-fixtures bench clean
+.PHONY: venv venv312 parity test test312 multihost check-fixtures regenerate-fixtures bench bench-cp clean
 
 # --no-compile: pip skips byte-compiling every installed module (torch's thousands); Python
 # compiles the few it imports on first use. Measured: the .venv install 61 s -> 39 s wall.
@@ -112,6 +112,11 @@ regenerate-fixtures: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.memory_speed
+
+# Context parallelism: per-device memory and communication of the sharded loss gradient at 128K
+# and 1M tokens, compile-only on 64 simulated CPU devices (8 programs, a few minutes on 2 cores).
+bench-cp: $(STAMP)
+	$(BIN)/python -m benchmarks.context_parallel
 
 # docs/FIGURES.md, the one page of figures that go stale (matrix sizes, line counts, benchmark
 # results, the last parity report's headroom and times), from cheap sources: a few seconds.

@@ -46,7 +46,8 @@ forgotten psum is a trace-time error instead of one device's partial sum passed 
 result. Its one cost: the keys are replicated over `model` but each device's heads use them
 differently, so they are cast to device-varying (`lax.pcast`) before the scoring; the
 transpose of that cast is the psum over `model` of the per-device key cotangents. The
-replicated parameters' cotangents are psum-ed by shard_map's own transpose. The keys are
+parameters are cast the same way over `data` and `seq` (`_vary_over_rows`), so that their
+cotangents are reduced once after the loops rather than in every iteration of them. The keys are
 gathered in the wide dtype: the reduce-scatter of their cotangents then adds the devices'
 shares in the wide dtype, as one device adds its rows' (gathering in bfloat16 would halve the
 bytes and round every device's share to bfloat16 before the sum).
@@ -82,10 +83,11 @@ from .pooling import compress_keys
 from .precision import round_to
 from .query_blocks import KEY_PARAMS, Shard, block_rows, rows_forward, rows_loss
 from .scoring import key_blocks
-from .validate import PARAM_NAMES
+from .validate import FLOAT_INPUTS, INDEXER_INPUTS, INT_INPUTS, PARAM_NAMES, input_shapes, param_shapes, \
+    teacher_input_names
 
-__all__ = ["Layout", "check_mesh", "sharded_forward", "sharded_loss", "sharded_loss_and_grads",
-           "sharded_parity_bundle"]
+__all__ = ["Layout", "check_mesh", "lower_loss_and_grads", "sharded_forward", "sharded_loss",
+           "sharded_loss_and_grads", "sharded_parity_bundle"]
 
 
 # --------------------------------------------------------------------------- validation
@@ -214,7 +216,8 @@ def _pool_halo(lay: Layout):
     """`pooling.previous_slots`' halo on the `seq` axis: the previous device's last block."""
 
     def halo(kv_a, gate_a, first):
-        kv_a, gate_a, first = (_from_previous(a, lay) for a in (kv_a, gate_a, first))
+        with jax.named_scope("pool_halo"):
+            kv_a, gate_a, first = (_from_previous(a, lay) for a in (kv_a, gate_a, first))
         return kv_a, gate_a, first, jax.lax.axis_index(lay.seq) > 0
 
     return halo
@@ -226,6 +229,7 @@ def _window_halo(cfg: CSAConfig, lay: Layout, seq_len: int):
     span; on the first devices, rows before token 0 (zeros, outside every window)."""
     n = window_tokens(cfg, seq_len)
 
+    @jax.named_scope("window_halo")
     def window(kv, seg):
         rows = kv.shape[1]
         h = n - 1
@@ -251,12 +255,17 @@ def _gather_blocks(x, lay: Layout):
 def _shard(cfg: CSAConfig, lay: Layout, seq_len: int) -> Shard:
     """The row program's hooks for one device of the layout (query_blocks.Shard)."""
     seq = lay.p > 1
+
+    def gather_teacher_kv(x):
+        with jax.named_scope("teacher_kv_gather"):
+            return _gather_blocks(x, lay)
+
     return Shard(
         score_cfg=dataclasses.replace(cfg, index_n_heads=cfg.index_n_heads // lay.m),
         sum_heads=lambda x: jax.lax.psum(x, lay.model),
         sum_rows=lambda x: jax.lax.psum(x, (lay.data, lay.seq) if seq else lay.data),
         window=_window_halo(cfg, lay, seq_len) if seq and window_tokens(cfg, seq_len) > 1 else None,
-        gather_blocks=(lambda x: _gather_blocks(x, lay)) if seq else None,
+        gather_blocks=gather_teacher_kv if seq else None,
     )
 
 
@@ -274,11 +283,30 @@ def _device_keys(params, inputs, cfg, dtype_name, lay: Layout):
     keys_wide = keys.astype(wide)
     blocks = key_blocks(pos, seg, cfg, x.shape[1])
     if lay.p > 1:
-        keys_wide = _gather_blocks(keys_wide, lay)
-        blocks = tuple(_gather_blocks(b, lay) for b in blocks)
+        with jax.named_scope("keys_gather"):
+            keys_wide = _gather_blocks(keys_wide, lay)
+        with jax.named_scope("validity_gather"):
+            blocks = tuple(_gather_blocks(b, lay) for b in blocks)
     # Replicated over `model`, but each device's heads use them differently: device-varying, so
     # that the scoring's custom VJP returns a per-device cotangent (psum-ed by this cast's transpose).
     return keys, jax.lax.pcast(keys_wide, lay.model, to="varying"), blocks
+
+
+def _vary_over_rows(params, lay: Layout):
+    """The parameters, cast to device-varying over the axes that split the rows (`data`, and
+    `seq` when it is split); `model` is as their specs say (wq_b and weights_proj vary over it,
+    the key parameters are replicated and reach the heads through the keys' own cast).
+
+    A replicated parameter read inside the row program's loops (the query blocks' and the head
+    chunks' `lax.scan` under `jax.checkpoint`) would get its cotangent psum-ed over `data` and
+    `seq` by shard_map's transpose INSIDE each loop, once per iteration: an all-reduce of the
+    parameter's size per query block and head chunk (at S = 1M on 8 devices, gigabytes a step).
+    Cast to varying, its cotangent stays per device through the loops, where each iteration adds
+    it locally, and the transpose of this cast, a psum over the same axes, reduces it once at the
+    end."""
+    axes = (lay.data, lay.seq) if lay.seq is not None else (lay.data,)
+    with jax.named_scope("params"):
+        return {k: jax.lax.pcast(v, axes, to="varying") for k, v in params.items()}
 
 
 def _rows_per_block(cfg: CSAConfig, rows: int) -> int:
@@ -288,9 +316,12 @@ def _rows_per_block(cfg: CSAConfig, rows: int) -> int:
 
 def _local_forward(params, inputs, cfg, dtype_name, lay: Layout):
     rows = inputs["position_ids"].shape[1]
-    keys, keys_wide, blocks = _device_keys(params, inputs, cfg, dtype_name, lay)
-    masked, topk = rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, _rows_per_block(cfg, rows),
-                                _shard(cfg, lay, rows * lay.p))
+    params = _vary_over_rows(params, lay)
+    with jax.named_scope("keys"):
+        keys, keys_wide, blocks = _device_keys(params, inputs, cfg, dtype_name, lay)
+    with jax.named_scope("rows_forward"):
+        masked, topk = rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, _rows_per_block(cfg, rows),
+                                    _shard(cfg, lay, rows * lay.p))
     return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
 
 
@@ -301,9 +332,12 @@ def _local_loss(params, float_inputs, int_inputs, selection, cfg, dtype_name, la
     rows = inputs["position_ids"].shape[1]
     if cfg.num_blocks(rows * lay.p) == 0:
         return jnp.zeros((), wide)  # W = 0: no block anywhere; as the single-device loss
-    _, keys_wide, blocks = _device_keys(params, inputs, cfg, dtype_name, lay)
-    return rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, _rows_per_block(cfg, rows),
-                     _shard(cfg, lay, rows * lay.p))
+    params = _vary_over_rows(params, lay)
+    with jax.named_scope("keys"):
+        _, keys_wide, blocks = _device_keys(params, inputs, cfg, dtype_name, lay)
+    with jax.named_scope("rows_loss"):
+        return rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, _rows_per_block(cfg, rows),
+                         _shard(cfg, lay, rows * lay.p))
 
 
 # --------------------------------------------------------------------------- jitted programs
@@ -343,12 +377,23 @@ def _loss_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh
     return _loss_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay)
 
 
+def _laid_out(param_grads, input_grads, mesh, lay):
+    """The gradients placed like their parameters and inputs. The input gradients are zeros
+    that the transpose builds outside shard_map, with no sharding of their own: unconstrained,
+    XLA replicates them, a whole [B, S, H, D] teacher_query gradient on every device."""
+
+    def place(tree, specs):
+        return {k: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
+
+    return place(param_grads, _param_specs(lay)), place(input_grads, _input_specs(lay))
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _loss_and_grads_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh, lay):
     grad_fn = jax.value_and_grad(_loss_fn, argnums=(0, 1))
     loss, (param_grads, input_grads) = grad_fn(params, float_inputs, int_inputs, selection, cfg, dtype_name, mesh,
                                                lay)
-    return loss, param_grads, input_grads
+    return loss, *_laid_out(param_grads, input_grads, mesh, lay)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -359,7 +404,7 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name, me
     for mode, (sparse, sel) in modes.items():
         c = dataclasses.replace(cfg, sparse_loss=sparse)
         loss, (pg, ig) = grad_fn(params, float_inputs, int_inputs, sel, c, dtype_name, mesh, lay)
-        out[mode] = (loss, pg, ig)
+        out[mode] = (loss, *_laid_out(pg, ig, mesh, lay))
     return out
 
 
@@ -429,3 +474,30 @@ def sharded_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, mesh: Mesh
     input_grads)}, the last with `selection` imposed; `cfg.sparse_loss` is ignored."""
     args, lay = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis, selection)
     return _bundle_jit(*args, cfg, dtype, mesh, lay)
+
+
+def lower_loss_and_grads(cfg: CSAConfig, dtype: str, mesh: Mesh, batch: int, seq_len: int,
+                         input_dtype: str | None = None, data_axis: str = "data", model_axis: str = "model",
+                         seq_axis: str | None = None) -> jax.stages.Lowered:
+    """The program of `sharded_loss_and_grads` (loss under `cfg`, its `sparse_loss` and no
+    imposed selection), lowered from abstract shapes: nothing is allocated or computed.
+
+    Arguments are `jax.ShapeDtypeStruct`s laid out on `mesh` as `sharded_loss_and_grads` places
+    them: the parameters in the wide dtype, the float inputs the loss reads (those of the
+    indexer and of `cfg`'s teacher) in `input_dtype` (default: `dtype`), the ids int32.
+    `.compile()` the result for XLA's `memory_analysis()` and the optimized HLO (`as_text()`).
+    The mesh is checked as `check_mesh` checks it."""
+    lay = check_mesh(cfg, batch, mesh, data_axis, model_axis, seq_len, seq_axis)
+    _, wide = resolve_dtype(dtype)
+    floats = jnp.dtype(input_dtype or dtype)
+    specs, pspecs = _input_specs(lay), _param_specs(lay)
+    shapes = input_shapes(cfg, batch, seq_len)
+
+    def arg(shape, dt, spec):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+
+    params = {k: arg(shape, wide, pspecs[k]) for k, (_, shape) in param_shapes(cfg).items()}
+    names = [k for k in FLOAT_INPUTS if k in INDEXER_INPUTS or k in teacher_input_names(cfg)]
+    float_inputs = {k: arg(shapes[k][1], floats, specs[k]) for k in names}
+    int_inputs = {k: arg(shapes[k][1], jnp.int32, specs[k]) for k in INT_INPUTS}
+    return _loss_and_grads_jit.lower(params, float_inputs, int_inputs, None, cfg, dtype, mesh, lay)

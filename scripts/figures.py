@@ -151,6 +151,36 @@ def bench_section() -> list[str]:
     if bounds:
         out += ["Bounds the benchmark checks:", ""] + [
             f"- {'PASS' if b['ok'] else 'FAIL'} {b['name']}: {b['detail']}" for b in bounds] + [""]
+    return out + context_parallel_lines(data.get("context_parallel"))
+
+
+def context_parallel_lines(cp: dict | None) -> list[str]:
+    """The context-parallel benchmark's figures (its key of results.json), if it has run."""
+    head = "### Context parallelism: memory and communication per device"
+    if not cp:
+        return [head, "", "Not in `benchmarks/results.json`: run `make bench-cp`.", ""]
+    shapes = cp.get("shapes", {})
+    out = [head, "",
+           f"From `benchmarks/results.json` (`context_parallel`), written by `{cp.get('command', '').strip()}` "
+           f"(`make bench-cp`), jax {cp.get('environment', {}).get('jax')}, compile-only on "
+           f"{cp.get('environment', {}).get('devices')} simulated CPU devices, mesh (1, P, 1); head chunk "
+           f"{shapes.get('indexer_head_chunk')}, query chunk {shapes.get('query_chunk')}, window "
+           f"{shapes.get('sliding_window')}, {shapes.get('dtype')}, B={shapes.get('batch')}.", ""]
+    rows = [[r["seq"], r["p"], r["rows_per_device"], f"{r['memory']['temp'] / GIB:.3f}",
+             f"{r['model']['total'] / GIB:.3f}",
+             f"{(r['memory']['temp'] + r['memory']['ynn_scratch']) / r['model']['total']:.2f}"]
+            for r in cp.get("rows", [])]
+    out += ["Temp memory per device (GiB) against the analytic working set:", "",
+            *_table(["S", "P", "L=S/P", "temp", "model", "ratio"], rows), ""]
+    point = next((r for r in cp.get("rows", []) if [r["seq"], r["p"]] == cp.get("comm_point")), None)
+    if point:
+        comm = [[name, c["ops"], f"{c['bytes'] / 2**20:.4g}", f"{point['comm_model'][name] / 2**20:.4g}",
+                 f"{c['inside_loops'] / 2**20:.4g}"] for name, c in point["comm"].items() if c["ops"]]
+        out += [f"MiB one device moves per step at S={point['seq']}, P={point['p']}:", "",
+                *_table(["collective", "ops", "MiB", "model MiB", "inside loops"], comm), ""]
+    if cp.get("bounds"):
+        out += ["Bounds:", ""] + [f"- {'PASS' if b['ok'] else 'FAIL'} {b['name']}: {b['detail']}"
+                                  for b in cp["bounds"]] + [""]
     return out
 
 
