@@ -31,7 +31,9 @@ def _run(args, tmp_path, env_extra=None, block_torch=False):
 @pytest.mark.torch  # the live reference
 def test_run_writes_reports_and_passes(tmp_path):
     out = tmp_path / "rep"
-    proc = _run(["run", "--cases", "tiny", "--dtypes", "float64,bfloat16", "--out", str(out),
+    # The ci sample's points of tiny (float64 native, float16 native and combined): programs the
+    # matrix tests compiled into `make test`'s shared compilation cache.
+    proc = _run(["run", "--cases", "tiny", "--dtypes", "float64,float16", "--sample", "ci", "--out", str(out),
                  "--no-progress", "--jobs", "1"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tiny" in proc.stdout and "0 failed" in proc.stdout
@@ -44,7 +46,7 @@ def test_run_writes_reports_and_passes(tmp_path):
     assert {r["rerun"] for r in data["results"]} == {None}  # only failed and errored records carry one
     assert data["platform"]["backend"] == "cpu" and data["platform"]["matmul_precision"] == "highest"
     assert data["summary"]["failed"] == 0 and data["summary"]["checks"] == len(data["results"])
-    assert {r["dtype"] for r in data["results"]} == {"float64", "bfloat16"}
+    assert {r["dtype"] for r in data["results"]} == {"float64", "float16"}
     assert {"oracle", "exact64", "chunk", "topk", "isolation", "oracle@sel"} <= {r["check"] for r in data["results"]}
     md = (out / "parity.md").read_text()
     assert md.startswith("# csa-parity report: PASS") and "| tiny | float64 |" in md
@@ -53,7 +55,7 @@ def test_run_writes_reports_and_passes(tmp_path):
 
 def test_jax_only_mode_needs_no_torch(tmp_path):
     out = tmp_path / "rep"
-    proc = _run(["run", "--cases", "tiny", "--dtypes", "float32", "--reference", "goldens", "--out", str(out),
+    proc = _run(["run", "--cases", "tiny", "--dtypes", "float64", "--sample", "ci", "--reference", "goldens", "--out", str(out),
                  "--no-progress", "--jobs", "1"], tmp_path, block_torch=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((out / "parity.json").read_text())
