@@ -43,28 +43,28 @@ parity: $(STAMP)
 # The whole suite, in two processes side by side (each pytest one process). The main one: the
 # tests on the ci sample of the matrix (SAMPLE=default or full for more; docs/matrix.md says
 # what each holds), the matrix first (fixtures --check is its tests/test_fixtures.py). Beside it:
-# the implementation's mutation self-test (its mutants recompile the programs they change; its clean run loads what the
-# main process compiled: both share one compilation cache), the random configurations and the query-chunk tests
-# (a process of their own: under xdist XLA:CPU's compiler segfaulted on query-blocked
-# programs, once in each file; run alone, both pass), the judge's mutation self-test (one
-# pytest start per mutant, no JAX program) and crash isolation; then the sharded slice (8
-# simulated devices, set before JAX starts; the same sample as the main process) and the
-# two-process slice (the sequence-sharded points across two processes of 4 devices each,
-# harness.multihost). The split keeps the two about even on the 2-core
-# CI machine (`.ci/run`'s log prints each one's time). The side process's output is printed
-# whole when both have ended; the target fails if either does. XDIST=0: on 2 cores two xdist
-# workers were slower than one process (the ties/tiny/ragged slice: 172 s with -n 2, 134 s with
-# -n 0), while two separate processes get through ~1.35x the work of one; XDIST=auto where
-# there are more cores. --durations keeps where the time goes in the CI log.
+# crash isolation, the random configurations and the query-chunk tests (a process of their own:
+# under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in each file; run
+# alone, both pass), then the implementation's mutation self-test (its mutants recompile the
+# programs they change; its clean run loads what the main process's matrix compiled by then:
+# both share one compilation cache, hence last); then the sharded slice (8 simulated devices,
+# set before JAX starts) and the two-process slice (the sequence-sharded points across two
+# processes of 4 devices each, harness.multihost), all on the same sample as the main process.
+# The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
+# one's time). The side process's output is printed whole when both have ended; the target
+# fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
+# (the ties/tiny/ragged slice: 172 s with -n 2, 134 s with -n 0), while two separate
+# processes get through ~1.35x the work of one; XDIST=auto where there are more cores.
+# --durations keeps where the time goes in the CI log.
 SAMPLE ?= ci
 XDIST ?= 0
-SIDE_TESTS := tests/test_mutations.py tests/test_random_configs.py tests/test_query_chunk.py \
-	tests/test_judge_mutations.py tests/test_isolation.py
+SIDE_TESTS := tests/test_isolation.py tests/test_random_configs.py tests/test_query_chunk.py \
+	tests/test_mutations.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296; \
-	{ $(BIN)/python -m pytest $(SIDE_TESTS) -n 0 --durations=10 && \
+	{ CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest $(SIDE_TESTS) -n 0 --durations=10 && \
 	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5 && \
 	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/multihost -n 0 -m multihost --durations=5; \
 	  rc=$$?; echo "=== make test: the side process ended after $$(( $$(date +%s) - t0 )) s"; exit $$rc; } \
@@ -73,14 +73,15 @@ test: $(STAMP)
 		$(foreach f,$(SIDE_TESTS),--ignore=$(f)); main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: mutation self-tests, random configurations, query chunks, crash isolation, sharded slice, two-process slice (run beside the tests above)"; \
+	echo "=== make test: crash isolation, random configurations, query chunks, mutation self-test, sharded slice, two-process slice (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
 # The jax 0.12 leg (Python 3.12, no torch): the matrix's ci sample in float64 (the exact64
 # checks, which any change of semantics in the newer XLA fails), 24 of its 73 programs, judged
 # against the fixture goldens; then the layer and API tests. The low-precision dtypes stay with
-# `make test` (the pinned jax), for .ci/run's 25 minutes: adding bfloat16 here costs 21 programs. `make test` runs the whole ci sample on the pinned jax; set
+# `make test` (the pinned jax), for .ci/run's 25 minutes: adding bfloat16 here costs 21 programs;
+# so does the training-trajectory test (tests/test_training.py, ~60 s here). `make test` runs the whole ci sample on the pinned jax; set
 # SAMPLE312=default DTYPES312=float32,bfloat16,float16,float64 for the whole default matrix here.
 # Tests that need torch skip (CSA_PARITY_NO_TORCH=1 says this leg has none on purpose; anywhere
 # else a missing torch fails them).
@@ -88,7 +89,7 @@ SAMPLE312 ?= ci
 DTYPES312 ?= float64
 TEST312_FILES := tests/test_bad_inputs.py tests/test_cases.py tests/test_cli.py tests/test_compare.py \
 	tests/test_judge.py tests/test_judge_rules.py tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
-	tests/test_traceable.py tests/test_grad_checks.py tests/test_training.py tests/test_pallas.py
+	tests/test_traceable.py tests/test_grad_checks.py tests/test_pallas.py
 # One compilation cache for both steps: the CLI tests load the tiny programs the run compiled.
 test312: $(STAMP312)
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \

@@ -201,7 +201,7 @@ def _cpu_env(job: dict, tmp_path: Path) -> dict[str, str]:
         "PARITY_JOBS": "1",
         "PYTEST_ARGS": "tests/test_cases.py -k test_required_cases_present -p no:cacheprovider",
         "CHECK_ARGS": "--case tiny",
-        "PARITY_ARGS": "--cases tiny --dtypes float32",
+        "PARITY_ARGS": "--cases tiny --dtypes float64 --sample ci",  # one point, compiled by the matrix tests
         "HYPOTHESIS_PROFILE": "ci",
         "RANDOM_ARGS": ("tests/test_random_configs.py -k round_trips -p no:cacheprovider"),
         "REPORTS_DIR": str(tmp_path / "reports"),
