@@ -65,3 +65,14 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.sharded)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """test_sharded.py's worst ratio per check, dtype and quantity, over the entries that ran."""
+    module = next((m for name, m in list(sys.modules.items())
+                   if name.rsplit(".", 1)[-1] == "test_sharded" and hasattr(m, "WORST")), None)
+    if module is None or not module.WORST:
+        return
+    terminalreporter.write_sep("-", "sharded slice: worst ratio (error / bound) per check, dtype and quantity")
+    for (check, dtype, column), (ratio, where) in sorted(module.WORST.items()):
+        terminalreporter.write_line(f"{check:<12} {dtype:<8} {column:<16} {ratio:.3g}  ({where})")
