@@ -35,6 +35,7 @@ from .implementations import Problem, TorchReference
 from .matrix import Point
 from .outputs import PARAM_NAMES
 from .tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL, ORDERR_CHECK_FACTOR
+from . import TORCH_CPU_CAPABILITY
 
 
 def _versions() -> dict[str, str]:
@@ -55,6 +56,19 @@ def _versions() -> dict[str, str]:
             pass
     return {"torch_version": torch.__version__, "numpy_version": np.__version__,
             "csa_parity_version": own}
+
+
+def cpu_capability_note() -> str | None:
+    """A line when torch computes with other CPU kernels than the committed fixtures were
+    generated with (harness.TORCH_CPU_CAPABILITY): float32 goldens then differ in rounding."""
+    import torch
+
+    used = torch.backends.cpu.get_cpu_capability()
+    if used == TORCH_CPU_CAPABILITY:
+        return None
+    return (f"torch computes with CPU capability {used}, the committed fixtures with "
+            f"{TORCH_CPU_CAPABILITY}: float32 goldens (order errors above all) round differently; "
+            f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')} in this process")
 
 
 
@@ -222,6 +236,9 @@ def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
               file=out)
         return 2
     t_all = time.perf_counter()
+    note = cpu_capability_note()
+    if note:
+        print(f"note: {note}", file=out)
     if check:
         problems = 0
         manifest: dict[str, Any] | None

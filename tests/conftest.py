@@ -23,6 +23,8 @@ import pytest
 
 os.environ.setdefault("JAX_ENABLE_X64", "1")
 
+import harness  # noqa: E402,F401  (pins torch's CPU kernels, harness.TORCH_CPU_CAPABILITY, before any test runs one)
+
 
 def _share_one_compilation_cache() -> None:
     wanted = os.environ.get("CSA_PARITY_XLA_CACHE", "")

@@ -4,7 +4,8 @@
 - `--check` passes on the committed files and names the tensor when a copy is damaged;
 - every loader error, triggered on a damaged copy, says what is wrong and how to fix it;
 - the goldens satisfy the invariants that need no second implementation;
-- the float64 reference is invariant under consistent permutations of the heads.
+- the float64 reference is invariant under consistent permutations of the heads;
+- importing the harness pins torch's CPU kernels to those the files were generated with.
 """
 
 from __future__ import annotations
@@ -103,6 +104,26 @@ def test_check_passes_on_committed_fixtures():
     out = io.StringIO()
     assert regenerate(check=True, out=out) == 0, out.getvalue()
     assert "fixtures --check passed" in out.getvalue()
+
+
+def test_importing_the_harness_pins_torchs_cpu_kernels():
+    """A fresh process that imports the harness computes with the kernels the fixtures were
+    generated with, whatever the CPU's widest (an AVX512 machine would round float32 goldens
+    differently), and regenerate's capability note is then silent."""
+    import os
+
+    import harness
+
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    code = ("import harness, torch; from harness.regenerate import cpu_capability_note; "
+            "print(torch.backends.cpu.get_cpu_capability()); print(cpu_capability_note())")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    used, note = proc.stdout.split("\n")[:2]
+    assert used == harness.TORCH_CPU_CAPABILITY, (
+        f"torch computes with {used}, not {harness.TORCH_CPU_CAPABILITY}: this CPU cannot regenerate "
+        "the committed fixtures' float32 goldens byte for byte")
+    assert note == "None"
 
 
 def test_check_names_a_flipped_input_byte(copy_dir):
