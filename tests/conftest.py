@@ -85,14 +85,12 @@ from needs import TORCH_SKIP, excused  # noqa: E402
 # The matrix runs first and the tests that start processes compiling the same programs
 # (mutation workers' clean run, csa-parity runs of the CLI and workflow tests) right after it,
 # so that they load those programs from the run's compilation cache instead of compiling them.
-# A run without the matrix (make test's side process) keeps its command line's order.
 FIRST = ("test_parity_matrix.py", "test_mutations.py", "test_cli.py", "test_workflows.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    if any(item.path.name == FIRST[0] for item in items):
-        rank = {name: i for i, name in enumerate(FIRST)}
-        items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: file order kept otherwise
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: file order kept otherwise
     if not excused():
         return
     for item in items:
