@@ -43,14 +43,15 @@ parity: $(STAMP)
 # The whole suite, in two processes side by side (each pytest one process). The main one: the
 # tests on the ci sample of the matrix (SAMPLE=default or full for more; docs/matrix.md says
 # what each holds), the matrix first (fixtures --check is its tests/test_fixtures.py). Beside it:
-# crash isolation, the random configurations and the query-chunk tests (a process of their own:
-# under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in each file; run
-# alone, both pass), then the implementation's mutation self-test (its mutants recompile the
-# programs they change; its clean run loads what the main process's matrix compiled by then:
-# both share one compilation cache, hence last); then the sharded slice (8 simulated devices,
-# set before JAX starts), all on the same sample as the main process. The main process ends
-# with the two-process slice (the sequence-sharded points across two processes of 4 devices
-# each, harness.multihost).
+# the implementation's mutation self-test (tests/conftest.py runs it first: the two processes
+# share one compilation cache, so the matrix programs its clean run compiles are loaded by the
+# main process's matrix, or the other way round; .ci/run took 1035 s with it first, 1182 s with
+# it last, one run each on one machine), then crash isolation, the random configurations and the
+# query-chunk tests (a process of their own: under xdist XLA:CPU's compiler segfaulted on
+# query-blocked programs, once in each file; run alone, both pass); then the sharded slice (8
+# simulated devices, set before JAX starts), all on the same sample as the main process. The
+# main process ends with the two-process slice (the sequence-sharded points across two
+# processes of 4 devices each, harness.multihost).
 # The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
 # one's time). The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
@@ -59,8 +60,8 @@ parity: $(STAMP)
 # --durations keeps where the time goes in the CI log.
 SAMPLE ?= ci
 XDIST ?= 0
-SIDE_TESTS := tests/test_isolation.py tests/test_random_configs.py tests/test_query_chunk.py \
-	tests/test_mutations.py
+SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
+	tests/test_query_chunk.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
@@ -74,7 +75,7 @@ test: $(STAMP)
 	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/multihost -n 0 -m multihost --durations=5; main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: crash isolation, random configurations, query chunks, mutation self-test, sharded slice (run beside the tests above)"; \
+	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, sharded slice (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
