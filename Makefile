@@ -45,8 +45,8 @@ parity: $(STAMP)
 # what each holds), the matrix first (fixtures --check is its tests/test_fixtures.py). Beside it:
 # the implementation's mutation self-test (tests/conftest.py runs it first: the two processes
 # share one compilation cache, so the matrix programs its clean run compiles are loaded by the
-# main process's matrix, or the other way round; .ci/run took 1035 s with it first, 1182 s with
-# it last, one run each on one machine), then crash isolation, the random configurations and the
+# main process's matrix, or the other way round; first or last made no difference beyond the
+# machine's noise: .ci/run took 1035 and 1188 s with it first, 1182 s with it last), then crash isolation, the random configurations and the
 # query-chunk tests (a process of their own: under xdist XLA:CPU's compiler segfaulted on
 # query-blocked programs, once in each file; run alone, both pass); then the sharded slice (8
 # simulated devices, set before JAX starts), all on the same sample as the main process. The
