@@ -46,12 +46,12 @@ parity: $(STAMP)
 # the implementation's mutation self-test (tests/conftest.py runs it first: the two processes
 # share one compilation cache, so the matrix programs its clean run compiles are loaded by the
 # main process's matrix, or the other way round; first or last made no difference beyond the
-# machine's noise: .ci/run took 1035 and 1188 s with it first, 1182 s with it last), then crash isolation, the random configurations and the
-# query-chunk tests (a process of their own: under xdist XLA:CPU's compiler segfaulted on
-# query-blocked programs, once in each file; run alone, both pass); then the sharded slice (8
-# simulated devices, set before JAX starts), all on the same sample as the main process. The
-# main process ends with the two-process slice (the sequence-sharded points across two
-# processes of 4 devices each, harness.multihost).
+# machine's noise: .ci/run took 1035 and 1188 s with it first, 1182 s with it last), then
+# crash isolation, the random configurations and the query-chunk tests (a process of their own:
+# under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in each file; run
+# alone, both pass); then the sharded slice (8 simulated devices, set before JAX starts), all
+# on the same sample as the main process. The main process ends with the two-process slice
+# (the sequence-sharded points across two processes of 4 devices each, harness.multihost).
 # The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
 # one's time). The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
