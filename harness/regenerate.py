@@ -71,8 +71,6 @@ def cpu_capability_note() -> str | None:
             f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')} in this process")
 
 
-
-
 def golden_tensors(problem: Problem, teachers=("joint",)) -> dict[str, np.ndarray]:
     """Every `golden.<dtype>.<name>` of a problem: the torch reference's outputs, the float64
     oracle first (its top-k is the selection of the low dtypes' sparse_at_oracle variant); for

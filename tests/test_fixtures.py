@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import harness
 from harness.cases import CASES, KNOB_FIELDS
 from harness.fixtures import (
     FIXTURES_DIR,
@@ -110,10 +112,6 @@ def test_importing_the_harness_pins_torchs_cpu_kernels():
     """A fresh process that imports the harness computes with the kernels the fixtures were
     generated with, whatever the CPU's widest (an AVX512 machine would round float32 goldens
     differently), and regenerate's capability note is then silent."""
-    import os
-
-    import harness
-
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     code = ("import harness, torch; from harness.regenerate import cpu_capability_note; "
             "print(torch.backends.cpu.get_cpu_capability()); print(cpu_capability_note())")
