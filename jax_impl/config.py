@@ -22,6 +22,9 @@ TEACHER_NORMALISERS = ("joint", "compressed")
 # of jax_impl.kernels (Mosaic on TPU, interpret mode elsewhere). Not part of the math.
 SCORING_BACKENDS = ("xla", "pallas")
 ROPE_SCALING_KEYS = ("type", "factor", "original_max_position", "beta_fast", "beta_slow")
+# index_quant (SPEC section 7a): the keys of its dict and the formats of its codes.
+INDEX_QUANT_KEYS = ("format", "block", "hadamard")
+QUANT_FORMATS = ("e2m1", "e4m3")
 
 _POSITIVE_INTS = (
     "emb_dim",
@@ -68,6 +71,7 @@ class CSAConfig:
     sliding_window: int = 0
     teacher_normaliser: str = "joint"
     rope_scaling: "YarnScaling | Mapping[str, Any] | None" = None
+    index_quant: "IndexQuant | Mapping[str, Any] | None" = None
     scoring_backend: str = "xla"
 
     def __post_init__(self) -> None:
@@ -108,6 +112,7 @@ class CSAConfig:
                              f"(valid: {', '.join(TEACHER_NORMALISERS)})")
         # A frozen, hashable value (the config is a static argument of jax.jit).
         object.__setattr__(self, "rope_scaling", YarnScaling.of(self.rope_scaling))
+        object.__setattr__(self, "index_quant", IndexQuant.of(self.index_quant, self.index_head_dim))
         if self.scoring_backend not in SCORING_BACKENDS:
             raise ValueError(f"scoring_backend={self.scoring_backend!r} is not supported "
                              f"(valid: {', '.join(SCORING_BACKENDS)})")
@@ -169,6 +174,42 @@ class YarnScaling:
             raise ValueError(f"rope_scaling beta_fast={fast!r}, beta_slow={slow!r} must satisfy "
                              "beta_fast > beta_slow > 0")
         return cls(**{k: value[k] for k in ROPE_SCALING_KEYS})
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexQuant:
+    """`index_quant` (SPEC section 7a), validated; `CSAConfig` holds one (or None) and takes it
+    as a plain dict."""
+
+    format: str
+    block: int
+    hadamard: bool
+
+    @classmethod
+    def of(cls, value: Any, head_dim: int) -> "IndexQuant | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"index_quant={value!r} must be null or a dict with keys "
+                             f"{', '.join(INDEX_QUANT_KEYS)}")
+        for key in value:
+            if key not in INDEX_QUANT_KEYS:
+                raise ValueError(f"index_quant has unknown key {key!r} (valid: {', '.join(INDEX_QUANT_KEYS)})")
+        for key in INDEX_QUANT_KEYS:
+            if key not in value:
+                raise ValueError(f"index_quant is missing key {key!r}")
+        fmt, block, rotate = value["format"], value["block"], value["hadamard"]
+        if not (isinstance(fmt, str) and fmt in QUANT_FORMATS):
+            raise ValueError(f"index_quant format={fmt!r} is not supported (valid: {', '.join(QUANT_FORMATS)})")
+        if not (_is_int(block) and block >= 1 and head_dim % block == 0):
+            valid = ", ".join(str(d) for d in _divisors(head_dim))
+            raise ValueError(f"index_quant block={block!r} must divide index_head_dim={head_dim} (valid: {valid})")
+        if not isinstance(rotate, bool):
+            raise ValueError(f"index_quant hadamard={rotate!r} must be a bool")
+        if rotate and head_dim & (head_dim - 1):
+            raise ValueError(f"index_quant hadamard=True needs index_head_dim={head_dim} to be a power of two "
+                             "(the Sylvester Hadamard matrix has order 2**n)")
+        return cls(format=fmt, block=block, hadamard=rotate)
 
 
 def _check_positive_int(name: str, v: Any) -> None:

@@ -54,6 +54,8 @@ TEACHER_NORMALISERS = ("joint", "compressed")
 # ignored here; validated with the same message.
 SCORING_BACKENDS = ("xla", "pallas")
 ROPE_SCALING_KEYS = ("type", "factor", "original_max_position", "beta_fast", "beta_slow")
+INDEX_QUANT_KEYS = ("format", "block", "hadamard")
+QUANT_FORMATS = ("e2m1", "e4m3")
 
 
 def _is_finite_number(v: Any) -> bool:
@@ -84,6 +86,31 @@ def _check_rope_scaling(v: Any) -> None:
                          "must satisfy beta_fast > beta_slow > 0")
 
 
+def _check_index_quant(v: Any, head_dim: int) -> None:
+    """SPEC §1/§7a: null or {"format": "e2m1" | "e4m3", "block": divides DI, "hadamard": bool},
+    a rotation needing DI a power of two."""
+    if not isinstance(v, Mapping):
+        raise ValueError(f"index_quant={v!r} must be null or a dict with keys "
+                         f"{', '.join(INDEX_QUANT_KEYS)}")
+    for k in v:
+        if k not in INDEX_QUANT_KEYS:
+            raise ValueError(f"index_quant has unknown key {k!r} (valid: {', '.join(INDEX_QUANT_KEYS)})")
+    for k in INDEX_QUANT_KEYS:
+        if k not in v:
+            raise ValueError(f"index_quant is missing key {k!r}")
+    fmt, block, rotate = v["format"], v["block"], v["hadamard"]
+    if not (isinstance(fmt, str) and fmt in QUANT_FORMATS):
+        raise ValueError(f"index_quant format={fmt!r} is not supported (valid: {', '.join(QUANT_FORMATS)})")
+    if not (_is_int(block) and block >= 1 and head_dim % block == 0):
+        valid = ", ".join(str(d) for d in range(1, head_dim + 1) if head_dim % d == 0)
+        raise ValueError(f"index_quant block={block!r} must divide index_head_dim={head_dim} (valid: {valid})")
+    if not isinstance(rotate, bool):
+        raise ValueError(f"index_quant hadamard={rotate!r} must be a bool")
+    if rotate and head_dim & (head_dim - 1):
+        raise ValueError(f"index_quant hadamard=True needs index_head_dim={head_dim} to be a power of two "
+                         "(the Sylvester Hadamard matrix has order 2**n)")
+
+
 @dataclasses.dataclass(frozen=True)
 class CSAConfig:
     """The CSA indexer configuration (SPEC §1), validated on construction."""
@@ -108,6 +135,7 @@ class CSAConfig:
     teacher_normaliser: str = "joint"
     # A plain dict (or None). Left out of the hash (a dict has none); equality still compares it.
     rope_scaling: Any = dataclasses.field(default=None, hash=False)
+    index_quant: Any = dataclasses.field(default=None, hash=False)
     scoring_backend: str = "xla"
 
     def __post_init__(self) -> None:
@@ -161,6 +189,10 @@ class CSAConfig:
                 if v is not None:
                     _check_rope_scaling(v)
                     object.__setattr__(self, "rope_scaling", dict(v))  # a plain copy
+            elif name == "index_quant":
+                if v is not None:
+                    _check_index_quant(v, self.index_head_dim)
+                    object.__setattr__(self, "index_quant", dict(v))  # a plain copy
             elif name == "scoring_backend":
                 if not (isinstance(v, str) and v in SCORING_BACKENDS):
                     raise ValueError(f"scoring_backend={v!r} is not supported "
@@ -186,8 +218,9 @@ class CSAConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if d["rope_scaling"] is not None:
-            d["rope_scaling"] = dict(d["rope_scaling"])
+        for name in ("rope_scaling", "index_quant"):
+            if d[name] is not None:
+                d[name] = dict(d[name])
         return d
 
 

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import quant
 from .config import (
     PARAM_NAMES,
     _as_tensor,
@@ -186,6 +187,14 @@ def score_stage(q: torch.Tensor, K: torch.Tensor, w: torch.Tensor) -> torch.Tens
     return torch.sum(w[..., None] * torch.relu(dots) * q.shape[-1] ** -0.5, dim=2)  # [B, S, W]
 
 
+def scoring_values(x: torch.Tensor, cfg: CSAConfig, dtype, wide) -> torch.Tensor:
+    """What the scores consume of queries or keys x [..., DI] (dtype, after RoPE), wide: x, or
+    with index_quant its rotated, quantized x_hat (§7a; straight-through gradient)."""
+    if cfg.index_quant is None:
+        return x.to(wide)
+    return quant.fake_quantize(x, cfg.index_quant, dtype, wide)
+
+
 def indexer_parts(p, x, q_latent, pos, seg, cfg: CSAConfig, dtype, wide) -> dict:
     """Every forward stage of the indexer: pooled (before the norm, wide), keys (dtype),
     queries (after RoPE, dtype), head_weights (wide), scores (raw, wide), valid (bool)."""
@@ -195,7 +204,7 @@ def indexer_parts(p, x, q_latent, pos, seg, cfg: CSAConfig, dtype, wide) -> dict
     q = (q_latent @ p["indexer.wq_b"].to(dtype)).reshape(B, S, HI, DI)
     q = rope(q, pos[:, :, None], cfg, dtype, wide)
     w = (x @ p["indexer.weights_proj"].to(dtype)).to(wide) * HI ** -0.5  # [B, S, HI]
-    raw = score_stage(q.to(wide), K.to(wide), w)
+    raw = score_stage(scoring_values(q, cfg, dtype, wide), scoring_values(K, cfg, dtype, wide), w)
     return {"pooled": pooled, "keys": K, "queries": q, "head_weights": w, "scores": raw,
             "valid": block_validity(pos, seg, cfg)}
 

@@ -1,0 +1,148 @@
+"""The quantization-aware indexer (SPEC section 7a): Hadamard rotation, UE8M0 block scales and
+FP4 (e2m1) or FP8 (e4m3) codes, with a straight-through gradient.
+
+For a vector of DI channels (one query head of one row, or one compressed key block):
+
+1. rotation (`hadamard`): x <- (x @ H) * DI**-0.5 in the wide dtype, H the Sylvester Hadamard
+   matrix of order DI, then rounded to the compute dtype;
+2. per block of `block` channels, in the wide dtype: amax = max(max |x|, tiny),
+   a = amax * (1 / Qmax) (the reciprocal rounded to the wide dtype first), and the scale
+   s = the smallest power of two >= a;
+3. the code c = clip(x / s, -Qmax, Qmax) rounded to the nearest value of the format, ties to
+   the even code;
+4. the indexer scores x_hat = c * s, wide (exact).
+
+The rounding works on the value, not a float8 cast: x / s is exact (s is a power of two); its
+binade 2**e (never below the format's smallest normal exponent) fixes the grid's spacing
+2**(e - mantissa bits) there, and `jnp.round` (half to even) on the exact quotient by that
+spacing picks the neighbour whose last mantissa bit is 0, the even code. No value ever goes
+through `float8_e4m3fn`, whose cast gives NaN past 448: the clip bounds every quotient by
+Qmax first.
+
+Gradient (step 5): the derivative of x_hat with respect to the rotated x is the identity,
+`stop_gradient(x_hat) + (x - stop_gradient(x))`, which equals x_hat exactly in the forward
+(x - x is 0); the rotation differentiates as the matmul it is.
+
+Codes and scales are outputs of their own: `codes` are the format's bit patterns (uint8; e2m1 in
+the low nibble; zero is always the positive code 0), `scales` the powers of two (float32,
+exact: the amax floor keeps every scale a normal float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .precision import round_to
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A sign-magnitude minifloat: exponent bits, mantissa bits, the smallest normal exponent,
+    the largest value (Qmax) and the amax floor of the scale (SPEC section 7a, step 2)."""
+
+    exponent_bits: int
+    mantissa_bits: int
+    min_exponent: int
+    qmax: float
+    tiny: float
+
+
+FORMATS = {
+    "e2m1": Format(exponent_bits=2, mantissa_bits=1, min_exponent=0, qmax=6.0, tiny=6.0 * 2.0**-126),
+    "e4m3": Format(exponent_bits=4, mantissa_bits=3, min_exponent=-6, qmax=448.0, tiny=1e-4),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_matrix(n: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix of order n (a power of two), entries +-1, float64."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def rotate(x, quant, wide):
+    """x [..., DI] (compute dtype) -> (x @ H) * DI**-0.5 in the wide dtype, rounded back to x's
+    dtype; x itself when the config does not rotate."""
+    if not quant.hadamard:
+        return x
+    di = x.shape[-1]
+    h = jnp.asarray(hadamard_matrix(di), wide)
+    return round_to(jnp.matmul(x.astype(wide), h) * (di**-0.5), x.dtype)
+
+
+def _pow2_ceil(a):
+    """The smallest power of two >= a (a > 0, finite): exact, from the binary exponent."""
+    mant, exp = jnp.frexp(a)  # a = mant * 2**exp, mant in [0.5, 1)
+    return jnp.where(mant == 0.5, a, jnp.ldexp(jnp.ones_like(a), exp))
+
+
+def _binade(v, fmt: Format):
+    """floor(log2 |v|), never below the smallest normal exponent (subnormals share its spacing)."""
+    _, exp = jnp.frexp(v)
+    return jnp.maximum(exp - 1, fmt.min_exponent)
+
+
+def block_scales(x, quant, wide):
+    """x [..., DI] -> the UE8M0 scale of each block [..., DI / block], wide."""
+    fmt = FORMATS[quant.format]
+    blocks = x.astype(wide).reshape(*x.shape[:-1], x.shape[-1] // quant.block, quant.block)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.asarray(fmt.tiny, wide))
+    return _pow2_ceil(amax * jnp.asarray(1.0 / fmt.qmax, wide))
+
+
+def round_to_grid(v, fmt: Format):
+    """v (|v| <= Qmax) rounded to the nearest value of the format, ties to the even code."""
+    mag = jnp.abs(v)
+    spacing = jnp.ldexp(jnp.ones_like(mag), _binade(mag, fmt) - fmt.mantissa_bits)
+    return jnp.sign(v) * (jnp.round(mag / spacing) * spacing)
+
+
+def encode(c, fmt: Format):
+    """Values of the format -> their bit patterns, uint8 (zero: the positive code 0)."""
+    mag = jnp.abs(c)
+    e = _binade(mag, fmt)
+    normal = mag >= 2.0**fmt.min_exponent
+    mant = jnp.round(mag / jnp.ldexp(jnp.ones_like(mag), e - fmt.mantissa_bits)).astype(jnp.int32)
+    field = jnp.where(normal, e - fmt.min_exponent + 1, 0)
+    mant = jnp.where(normal, mant - 2**fmt.mantissa_bits, mant)
+    sign = jnp.where((c < 0), 1 << (fmt.exponent_bits + fmt.mantissa_bits), 0)
+    return (sign | (field << fmt.mantissa_bits) | mant).astype(jnp.uint8)
+
+
+def quantize_parts(x, quant, wide):
+    """Rotated x [..., DI] (compute dtype) -> (x_hat wide, codes as format values wide, scales
+    [..., DI / block] wide). No gradient: `fake_quantize` carries the straight-through one."""
+    fmt = FORMATS[quant.format]
+    xw = jax.lax.stop_gradient(x).astype(wide)
+    scales = block_scales(xw, quant, wide)
+    per_channel = jnp.repeat(scales, quant.block, axis=-1)
+    codes = round_to_grid(jnp.clip(xw / per_channel, -fmt.qmax, fmt.qmax), fmt)
+    return codes * per_channel, codes, scales
+
+
+def fake_quantize(x, quant, wide):
+    """The rotated and quantized values the indexer scores (SPEC section 7a steps 1-5): wide,
+    with the straight-through gradient. x [..., DI] in the compute dtype, after RoPE."""
+    rotated = rotate(x, quant, wide)
+    x_hat, _, _ = quantize_parts(rotated, quant, wide)
+    xw = rotated.astype(wide)
+    return jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))
+
+
+def codes_and_scales(x, quant, wide):
+    """x [..., DI] after RoPE (compute dtype) -> (codes uint8 [..., DI], scales float32
+    [..., DI / block]): the quantizer's outputs, as a quantized kernel would consume them."""
+    return quantizer_stage(rotate(x, quant, wide), quant, wide)
+
+
+def quantizer_stage(rotated, quant, wide):
+    """The quantizer alone, from rotated values [..., DI]: (codes uint8, scales float32)."""
+    _, codes, scales = quantize_parts(rotated, quant, wide)
+    return encode(codes, FORMATS[quant.format]), scales.astype(jnp.float32)
