@@ -54,6 +54,7 @@ CONFIG_FIELDS: tuple[tuple[str, Any], ...] = (
     ("sliding_window", 0),
     ("teacher_normaliser", "joint"),
     ("rope_scaling", None),
+    ("index_quant", None),
 )
 
 # Run-time knobs, with their defaults: set per matrix point (harness.implementations.run_config),

@@ -469,6 +469,13 @@ def validate_config(config: Mapping[str, Any]) -> None:
     if v is not None and not (isinstance(v, dict) and tuple(sorted(v)) == tuple(sorted(keys))
                               and v["type"] == "yarn"):
         raise ValueError(f"rope_scaling={v!r} must be null or a dict of {', '.join(keys)} with type 'yarn'")
+    v = config["index_quant"]
+    keys = ("block", "format", "hadamard")
+    if v is not None and not (isinstance(v, dict) and tuple(sorted(v)) == keys and v["format"] in ("e2m1", "e4m3")
+                              and _is_int(v["block"]) and v["block"] >= 1
+                              and config["index_head_dim"] % v["block"] == 0 and isinstance(v["hadamard"], bool)):
+        raise ValueError(f"index_quant={v!r} must be null or a dict of format (e2m1 or e4m3), block (dividing "
+                         f"index_head_dim={config['index_head_dim']}) and hadamard (a bool)")
 
 
 def load_case(name: str, fixtures_dir: str | os.PathLike | None = None, *,

@@ -291,6 +291,25 @@ PINNED: dict[str, Problem] = {
                                            loss_head_chunk=5, sparse_loss=True, rope_theta=777.0,
                                            query_chunk=16),
                                      batch=1, seq_len=9, seed=14),
+    # The quantization-aware indexer (SPEC section 7a). DeepSeek-V4's preset in miniature: e2m1,
+    # rotated, block 8 of DI=16 (two blocks per head), HI=4 chunk 2, queries in blocks of 3
+    # rows, sparse, float32 (the chunk check at that dtype: quantization sees the same values
+    # in every chunk).
+    "quant_e2m1_rotated": Problem(_pcfg(index_n_heads=4, index_head_dim=16, rope_head_dim=8, compress_ratio=2,
+                                        index_topk=3, indexer_head_chunk=2, loss_head_chunk=1, sparse_loss=True,
+                                        query_chunk=3,
+                                        index_quant={"format": "e2m1", "block": 8, "hadamard": True}),
+                                  batch=2, seq_len=12, seed=16, documents=((5, 7), (12,)), dtype="float32"),
+    # DeepSeek-V3.2's format: e4m3 with one block over the whole head (block == DI), rotated.
+    "quant_e4m3_one_block": Problem(_pcfg(index_n_heads=2, index_head_dim=8, rope_head_dim=4, compress_ratio=2,
+                                          index_topk=2, indexer_head_chunk=1,
+                                          index_quant={"format": "e4m3", "block": 8, "hadamard": True}),
+                                    batch=1, seq_len=10, seed=17, dtype="bfloat16"),
+    # Unrotated e2m1 where DI is not a power of two (the rotation would be refused), block 3.
+    "quant_unrotated_di6": Problem(_pcfg(index_n_heads=3, index_head_dim=6, rope_head_dim=2, compress_ratio=2,
+                                         index_topk=2, indexer_head_chunk=3, query_chunk=4,
+                                         index_quant={"format": "e2m1", "block": 3, "hadamard": False}),
+                                   batch=2, seq_len=9, seed=18),
     # S < m: W = 0, every output empty (chunked knobs too), loss 0.
     "no_blocks": Problem(_pcfg(compress_ratio=4, index_n_heads=2, indexer_head_chunk=1, loss_head_chunk=2),
                          batch=2, seq_len=3, seed=15),

@@ -33,7 +33,7 @@ import numpy as np
 SPEC_FIELDS = ("emb_dim", "q_lora_rank", "index_n_heads", "index_head_dim", "rope_head_dim",
                "compress_ratio", "index_topk", "rope_theta", "norm_eps", "num_query_heads", "head_dim",
                "indexer_head_chunk", "loss_head_chunk", "query_chunk", "sparse_loss", "loss_scale",
-               "sliding_window", "teacher_normaliser", "rope_scaling")
+               "sliding_window", "teacher_normaliser", "rope_scaling", "index_quant")
 
 DEFAULT_THETA, DEFAULT_EPS = 160000.0, 1e-6
 
@@ -68,6 +68,16 @@ def _window(c, s: int) -> set[str]:
         return set()
     n = c["sliding_window"]
     return {"0" if n == 0 else "1" if n == 1 else ">= S" if n >= s else "between 1 and S"}
+
+
+def _quant(c) -> set[str]:
+    """The quantizer's value classes: off, each format, rotated or not, one block per head or
+    several (SPEC section 7a)."""
+    q = c.get("index_quant")
+    if q is None:
+        return {"null"}
+    return {q["format"], "rotated" if q["hadamard"] else "unrotated",
+            "block == index_head_dim" if q["block"] == c["index_head_dim"] else "block < index_head_dim"}
 
 
 def _query_chunk(r: int, s: int) -> set[str]:
@@ -122,6 +132,9 @@ AUDIT = {
     "rope_scaling": ({"null", "yarn"},
                      lambda c, s, w: set() if w == 0 or c["rope_head_dim"] < 4 else
                      {"null" if c["rope_scaling"] is None else c["rope_scaling"]["type"]}),
+    "index_quant": ({"null", "e2m1", "e4m3", "rotated", "unrotated", "block == index_head_dim",
+                     "block < index_head_dim"},
+                    lambda c, s, w: set() if w == 0 else _quant(c)),
     "loss_scale": ({"1", "positive, not 1", "negative"},
                    lambda c, s, w: set() if w == 0 else
                    {"1" if c["loss_scale"] == 1 else "positive, not 1" if c["loss_scale"] > 0 else "negative"}),
@@ -192,7 +205,7 @@ def test_the_committed_cases_alone_leave_fields_at_one_value_class():
     single = {f for f in SPEC_FIELDS if f in config_fields() and len(seen_classes(f, committed_instances())) <= 1}
     # index_head_dim and head_dim take two classes here: yarn_tail has DI == DR, the joint
     # teacher's cases have D != DI.
-    assert single == {"emb_dim", "q_lora_rank", "rope_theta", "norm_eps", "loss_scale"}
+    assert single == {"emb_dim", "q_lora_rank", "rope_theta", "norm_eps", "loss_scale", "index_quant"}
     # The joint teacher's cases give every window class and both teachers and RoPEs.
     assert set(seen_classes("sliding_window", committed_instances())) == AUDIT["sliding_window"][0]
     assert set(seen_classes("teacher_normaliser", committed_instances())) == {"joint", "compressed"}

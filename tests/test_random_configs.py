@@ -101,6 +101,11 @@ def problems(draw, sparse: bool | None = None) -> Problem:
             type=st.just("yarn"), factor=st.sampled_from([1.0, 4.0, 16.0]),
             original_max_position=st.integers(1, 64), beta_fast=st.sampled_from([32.0, 8.0]),
             beta_slow=st.sampled_from([1.0, 0.5])))),
+        # SPEC section 7a: either format, any block dividing DI, the rotation where DI is a
+        # power of two (2, 4, 8; not 6).
+        index_quant=draw(st.none() | st.fixed_dictionaries(dict(
+            format=st.sampled_from(["e2m1", "e4m3"]), block=st.sampled_from(divisors(di)),
+            hadamard=st.just(False) if di & (di - 1) else st.booleans()))),
     )
     assert set(cfg) == {n for n, _ in CONFIG_FIELDS}
     cfg["query_chunk"] = draw(st.integers(0, seq_len + 2))  # 0, dividing or not, >= S
