@@ -54,7 +54,7 @@ from .matrix import Point  # the one Point: a slice runs every mode and quantity
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "jax_impl"
 
-STAGES = ("pooling", "rope", "scoring", "chunking", "loss", "precision")
+STAGES = ("pooling", "rope", "scoring", "chunking", "loss", "precision", "quantization")
 
 
 # The slices. tiny (B=1, S=16, HI=2, H=2, W=4, k=2) is the cheapest problem with a top-k
@@ -601,6 +601,50 @@ CATALOGUE: tuple[Mutant, ...] = (
         "each block (only the owner's own queries train its keys)",
         killing_test="tests/sharded/test_sharded.py",
     ),
+    # ------------------------------------- the quantization-aware indexer (SPEC section 7a)
+    # The mistakes shipped quantized indexers made. No committed case quantizes: each is killed
+    # by `exact64` on the pinned problem with DeepSeek-V4's preset in miniature (e2m1, rotated,
+    # two blocks per head, head and query chunks, packed, sparse), live against torch.
+    *(Mutant(name, "quantization", module, old, new, ("exact64",), (), mistake, more=more,
+             problems=("quant_e2m1_rotated",),
+             killing_test="tests/test_random_configs.py::test_pinned_problem[quant_e2m1_rotated]")
+      for name, module, old, new, mistake, more in (
+        ("quant_keys_unrotated", "scoring.py",
+         "    return keys if cfg.index_quant is None else fake_quantize(keys, cfg.index_quant, wide)\n",
+         "    return keys if cfg.index_quant is None else fake_quantize(\n"
+         "        keys, type(cfg.index_quant)(cfg.index_quant.format, cfg.index_quant.block, False), wide)\n",
+         "the queries rotated, the keys not (a fused key kernel that skips the Hadamard)", ()),
+        ("quant_rotation_unscaled", "quant.py",
+         "h) * (di**-0.5), x.dtype)", "h), x.dtype)",
+         "the Hadamard rotation without its DI**-0.5: not orthogonal, every x_hat sqrt(DI) times "
+         "too large", ()),
+        ("quant_scale_nearest_power_of_two", "quant.py",
+         "    return jnp.where(mant == 0.5, a, jnp.ldexp(jnp.ones_like(a), exp))\n",
+         "    return jnp.where(mant < 0.75, jnp.ldexp(jnp.ones_like(a), exp - 1), jnp.ldexp(jnp.ones_like(a), exp))\n",
+         "the UE8M0 scale rounded to the nearest power of two instead of up: a block's largest "
+         "values then exceed Qmax and are clipped", ()),
+        ("quant_blocks_across_heads", "quant.py",
+         "    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.asarray(fmt.tiny, wide))\n",
+         "    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(-1, -3), keepdims=True)[..., 0],\n"
+         "                       jnp.asarray(fmt.tiny, wide))\n",
+         "a block's scale taken over the same channels of every head (every key block) instead of "
+         "along one head's channels", ()),
+        ("quant_straight_through_dropped", "quant.py",
+         "    return jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))\n",
+         "    return jax.lax.stop_gradient(x_hat)\n",
+         "no straight-through gradient: the quantized values are constants, the query and key "
+         "parameters get a zero gradient", ()),
+        ("quant_true_rounding_derivative", "quant.py",
+         "    xw = jax.lax.stop_gradient(x).astype(wide)\n",
+         "    xw = x.astype(wide)\n",
+         "the rounding's own derivative (0 almost everywhere) in place of the straight-through "
+         "identity",
+         (("    return jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))\n",
+           "    return x_hat\n"),)),
+        ("quant_dequantize_without_scale", "quant.py",
+         "    return codes * per_channel, codes, scales\n", "    return codes, codes, scales\n",
+         "the codes scored without their block scale", ()),
+      )),
 )
 
 

@@ -27,7 +27,7 @@ from .loss import kl_loss, loss_keep, student_log_probs, teacher_distribution, t
 from .pooling import compress_keys, compress_parts
 from .precision import round_to
 from . import kernels, query_blocks
-from .scoring import queries, scoring_values, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
+from .scoring import queries, scoring_keys, scoring_queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
 from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check_params, check_selection, teacher_input_names
 
 
@@ -49,9 +49,9 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    scoring_keys = scoring_values(keys, cfg, wide)
-    scoring_keys = scoring_keys if prepare_keys is None else prepare_keys(scoring_keys)
-    scores = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, scoring_keys, score_cfg or cfg, wide)
+    k_in = scoring_keys(keys, cfg, wide)
+    k_in = k_in if prepare_keys is None else prepare_keys(k_in)
+    scores = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, k_in, score_cfg or cfg, wide)
     if reduce_scores is not None:
         scores = reduce_scores(scores)
     valid = block_validity(pos, seg, cfg, x.shape[1])
@@ -207,7 +207,7 @@ def _stages_jit(params, inputs, selection, cfg, dtype_name):
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
     q = queries(q_latent, p["indexer.wq_b"], pos, cfg.index_n_heads, cfg, wide)
     # The scoring stage's inputs: with index_quant the quantized values (wide), else q and K.
-    q_in, k_in = scoring_values(q, cfg, wide), scoring_values(keys, cfg, wide)
+    q_in, k_in = scoring_queries(q, cfg, wide), scoring_keys(keys, cfg, wide)
     if cfg.scoring_backend == "pallas":  # the stage as the backend computes it
         scores = kernels.contribution(q_in, k_in, hw) * (cfg.index_head_dim**-0.5)
     else:

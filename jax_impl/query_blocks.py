@@ -39,7 +39,7 @@ from .loss import kl_per_token, loss_keep, teacher_distribution
 from .validate import teacher_input_names
 from .pooling import compress_keys
 from .precision import round_to
-from .scoring import head_weights, key_blocks, mask_scores, raw_scores, rows_validity, scoring_values, topk_indices
+from .scoring import head_weights, key_blocks, mask_scores, raw_scores, rows_validity, scoring_keys, topk_indices
 
 
 # The parameters of the keys (used once, before the scan) and of the query rows (per block).
@@ -116,7 +116,7 @@ def _setup(params, inputs, cfg, dtype_name):
     keys = compress_keys(
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
-    return keys, scoring_values(keys, cfg, wide).astype(wide), key_blocks(pos, seg, cfg, x.shape[1])
+    return keys, scoring_keys(keys, cfg, wide).astype(wide), key_blocks(pos, seg, cfg, x.shape[1])
 
 
 def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard=ONE_DEVICE):

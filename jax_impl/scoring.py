@@ -68,12 +68,19 @@ def queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
     return apply_rope(q, position_ids[:, :, None], cfg.rope_head_dim, cfg.rope_theta, wide, cfg.rope_scaling)
 
 
-def scoring_values(x, cfg, wide):
-    """What the scores consume of queries or keys x [..., DI] (compute dtype, after RoPE): x
-    itself, or with `cfg.index_quant` its rotated, quantized x_hat (wide, straight-through
-    gradient; SPEC section 7a). Each head of each row, and each key block, on its own: any
-    split of heads, rows or blocks computes the same values."""
-    return x if cfg.index_quant is None else fake_quantize(x, cfg.index_quant, wide)
+def scoring_queries(q, cfg, wide):
+    """What the scores consume of the queries q [B, S, c, DI] (compute dtype, after RoPE): q
+    itself, or with `cfg.index_quant` its rotated, quantized q_hat (wide, straight-through
+    gradient; SPEC section 7a). Each head of each row on its own, so any split of the heads
+    or rows computes the same values."""
+    return q if cfg.index_quant is None else fake_quantize(q, cfg.index_quant, wide)
+
+
+def scoring_keys(keys, cfg, wide):
+    """What the scores consume of the compressed keys [B, W, DI] (compute dtype, after RoPE):
+    the keys, or their rotated, quantized K_hat (wide) as for the queries. Each block on its
+    own, so a device may quantize its own blocks before they are gathered."""
+    return keys if cfg.index_quant is None else fake_quantize(keys, cfg.index_quant, wide)
 
 
 def head_contribution_autodiff(q, keys, hw):
@@ -124,9 +131,9 @@ CONTRIBUTIONS = {"custom": _head_contribution, "autodiff": head_contribution_aut
 def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "custom"):
     """Unmasked scores [B, S, W] in the wide dtype.
 
-    q_latent and wq_b are in the compute dtype, keys as `scoring_values` returns them (compute
+    q_latent and wq_b are in the compute dtype, keys as `scoring_keys` returns them (compute
     dtype or widened; wide x_hat with `cfg.index_quant`); hw [B, S, HI] is wide. The queries
-    go through `scoring_values` here, head chunk by head chunk. `vjp`:
+    go through `scoring_queries` here, head chunk by head chunk. `vjp`:
     "custom" (the hand-written backward, always in the library) or "autodiff" (plain JAX
     autodiff of the same forward: the tests' yardstick for the custom VJP). Under
     `cfg.scoring_backend == "pallas"` each head chunk's sum is the Pallas kernels' instead,
@@ -143,14 +150,14 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
             return a.astype(wide)
 
     if chunk == 0:
-        q = scoring_values(queries(q_latent, wq_b, position_ids, heads, cfg, wide), cfg, wide)
+        q = scoring_queries(queries(q_latent, wq_b, position_ids, heads, cfg, wide), cfg, wide)
         acc = _head_contribution(widen(q), keys_wide, hw)
     else:
 
         @jax.checkpoint
         def body(acc, i):
             wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * di), chunk * di, axis=1)
-            q = scoring_values(queries(q_latent, wq, position_ids, chunk, cfg, wide), cfg, wide)
+            q = scoring_queries(queries(q_latent, wq, position_ids, chunk, cfg, wide), cfg, wide)
             hw_c = jax.lax.dynamic_slice_in_dim(hw, i * chunk, chunk, axis=2)
             return acc + _head_contribution(widen(q), keys_wide, hw_c), None
 
