@@ -73,6 +73,14 @@ def _rs(**over):
     return {**V4_YARN, **over}
 
 
+# DeepSeek-V4's index_quant (SPEC section 1), the base of the index_quant entries.
+V4_QUANT = {"format": "e2m1", "block": 32, "hadamard": True}
+
+
+def _iq(**over):
+    return {**V4_QUANT, **over}
+
+
 CONFIG_ERRORS = [
     (dict(emb_dim=2.0), "emb_dim=2.0 must be an int"),
     (dict(emb_dim=0), "emb_dim=0 must be >= 1"),
@@ -185,6 +193,31 @@ CONFIG_ERRORS = [
     (dict(scoring_backend="Pallas"), "scoring_backend='Pallas' is not supported (valid: xla, pallas)"),
     (dict(rope_scaling="yarn", scoring_backend="x"),
      "rope_scaling='yarn' must be null or a dict with type 'yarn'"),
+    # index_quant (SPEC sections 1 and 7a): the format, a block dividing DI, the rotation's DI
+    (dict(index_quant="e2m1"), "index_quant='e2m1' must be null or a dict with keys format, block, hadamard"),
+    (dict(index_quant=_iq(scale="ue8m0")),
+     "index_quant has unknown key 'scale' (valid: format, block, hadamard)"),
+    (dict(index_quant={"format": "e2m1", "block": 32}), "index_quant is missing key 'hadamard'"),
+    (dict(index_quant=_iq(format="e5m2")), "index_quant format='e5m2' is not supported (valid: e2m1, e4m3)"),
+    (dict(index_quant=_iq(format="E2M1")), "index_quant format='E2M1' is not supported (valid: e2m1, e4m3)"),
+    (dict(index_quant=_iq(format="mxfp4", block=3)),  # format before block
+     "index_quant format='mxfp4' is not supported (valid: e2m1, e4m3)"),
+    (dict(index_quant=_iq(block=3)), "index_quant block=3 must divide index_head_dim=32 (valid: 1, 2, 4, 8, 16, 32)"),
+    (dict(index_quant=_iq(block=0)), "index_quant block=0 must divide index_head_dim=32 (valid: 1, 2, 4, 8, 16, 32)"),
+    (dict(index_quant=_iq(block=64)),
+     "index_quant block=64 must divide index_head_dim=32 (valid: 1, 2, 4, 8, 16, 32)"),
+    (dict(index_quant=_iq(block=32.0)),
+     "index_quant block=32.0 must divide index_head_dim=32 (valid: 1, 2, 4, 8, 16, 32)"),
+    (dict(index_quant=_iq(block=True)),
+     "index_quant block=True must divide index_head_dim=32 (valid: 1, 2, 4, 8, 16, 32)"),
+    (dict(index_quant=_iq(hadamard=1)), "index_quant hadamard=1 must be a bool"),
+    (dict(index_head_dim=24, index_quant=_iq(block=8)),
+     "index_quant hadamard=True needs index_head_dim=24 to be a power of two (the Sylvester Hadamard "
+     "matrix has order 2**n)"),
+    (dict(rope_scaling="yarn", index_quant="x"),  # field order: rope_scaling, index_quant, scoring_backend
+     "rope_scaling='yarn' must be null or a dict with type 'yarn'"),
+    (dict(index_quant="x", scoring_backend="x"),
+     "index_quant='x' must be null or a dict with keys format, block, hadamard"),
 ]
 
 # --------------------------------------------------------------------------- input checks
