@@ -112,8 +112,8 @@ def encode(c, fmt: Format):
     mant = jnp.round(mag / jnp.ldexp(jnp.ones_like(mag), e - fmt.mantissa_bits)).astype(jnp.int32)
     field = jnp.where(normal, e - fmt.min_exponent + 1, 0)
     mant = jnp.where(normal, mant - 2**fmt.mantissa_bits, mant)
-    sign = jnp.where((c < 0), 1 << (fmt.exponent_bits + fmt.mantissa_bits), 0)
-    return (sign | (field << fmt.mantissa_bits) | mant).astype(jnp.uint8)
+    sign = jnp.where(c < 0, 2 ** (fmt.exponent_bits + fmt.mantissa_bits), 0).astype(jnp.int32)
+    return (sign + field.astype(jnp.int32) * 2**fmt.mantissa_bits + mant).astype(jnp.uint8)
 
 
 def quantize_parts(x, quant, wide):
