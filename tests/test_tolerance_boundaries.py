@@ -15,8 +15,10 @@ a number added there is listed without being registered anywhere). For each one 
 So a number that moves (10x looser, or tighter) fails `test_number_at_its_boundary[<number>]`,
 whose message starts with the number's name; a number without a pin, a table without a builder
 or an entry its builder has no case for (a new dtype, a new kind) fails
-`test_every_number_has_a_pin_and_a_boundary_case` with one line naming it. Every check the cases
-reach must also fail on a NaN and on a changed -inf pattern (`test_nan_and_minus_inf_fail_in_every_check`).
+`test_every_number_has_a_pin_and_a_boundary_case` with one line naming it, and a check the judge
+makes that no case reaches fails `test_every_check_the_judge_makes_has_a_boundary_case`. Every
+check the cases reach must also fail on a NaN and on a changed -inf pattern
+(`test_nan_and_minus_inf_fail_in_every_check`).
 
 harness.judge_mutations loosens each number 10x in a copy of harness/ (the mutant
 `x10_<number>`) and runs its boundary test there; docs/judging.md's table of guarantees lists
@@ -106,10 +108,15 @@ class Case:
     bound: float
     run: Callable[[float, str | None], Verdict]
     spoilable: bool = True
+    via: str = ""  # how the check is reached, where the check's name alone does not say
+
+    @property
+    def name(self) -> str:
+        return f"{self.check} ({self.via})" if self.via else self.check
 
     @property
     def label(self) -> str:
-        return f"{self.check} check, {self.dtype}, {self.kind} ({self.quantity})"
+        return f"{self.name} check, {self.dtype}, {self.kind} ({self.quantity})"
 
 
 def _rng(seed=0):
@@ -282,7 +289,7 @@ def _stage_plugin_case(dtype, quantity, t_err, bound):
         return _of(r)
 
     kind = "forward" if quantity.startswith("stage.") else "grad"
-    return Case("oracle (stage plug-in)", dtype, kind, quantity, bound, run)
+    return Case("oracle", dtype, kind, quantity, bound, run, via="stage plug-in")
 
 
 # --------------------------------------------------------------------------- the top-k tie window
@@ -302,18 +309,23 @@ def _topk_scores(gap):
     return scores, swapped
 
 
-def _topk_case(dtype, t_err, bound, dims=None):
+def _topk_case(dtype, t_err, bound, dims=None, check="topk"):
     """topk: a swap is excused only when both blocks score within the window (the index_scores
-    bound times the row's largest |score|) of the oracle's k-th score."""
+    bound times the row's largest |score|) of the oracle's k-th score. chunk-topk / xla-topk: the
+    same window, against native's picks (here the oracle's)."""
+    point = {"topk": Point("tiny", dtype), "chunk-topk": Point("tiny", dtype, ichunk=1),
+             "xla-topk": Point("tiny", dtype, backend="pallas")}[check]
+
     def run(gap, spoil):
         scores, swapped = _topk_scores(gap)
         torch_t = _bump(scores, t_err, (0, 0, 3), "row") if t_err else scores
         refs = References(Outputs("oracle", {"index_scores": scores, "topk_indices": TOPK_PICKS}),
-                          Outputs("reference@t", {"index_scores": torch_t}), dims=dims)
-        return _of(_only(judge(Entry(Point("tiny", dtype), "forward", "topk_indices"),
-                               Outputs("hand-made", {"topk_indices": swapped}), refs), "topk"), reports_bound=False)
+                          Outputs("reference@t", {"index_scores": torch_t}), dims=dims,
+                          native=Outputs("native", {"topk_indices": TOPK_PICKS}) if point.native else None)
+        return _of(_only(judge(Entry(point, "forward", "topk_indices"),
+                               Outputs("hand-made", {"topk_indices": swapped}), refs), check), reports_bound=False)
 
-    return Case("topk", dtype, "forward", "topk_indices (tie window)", bound, run, spoilable=False)
+    return Case(check, dtype, "topk", "topk_indices (tie window)", bound, run, spoilable=False)
 
 
 # --------------------------------------------------------------------------- the other checks
@@ -348,7 +360,7 @@ def _isolation_case(bound):
                     References(Outputs("oracle"), Outputs("reference@t")))
         return _of(r)
 
-    return Case("isolation", "any", "input grads", "input_grads (largest |d loss / d input|)", bound, run)
+    return Case("isolation", "any", "isolation", "input_grads (largest |d loss / d input|)", bound, run)
 
 
 def _raw(x):
@@ -438,7 +450,7 @@ def _alpha_cases(kind):
     if kind == "forward":
         cases += [_stage_case("bfloat16", "keys", 0.05, a * 0.05),
                   _stage_plugin_case("bfloat16", "stage.scores", 0.05, a * 0.05),
-                  _topk_case("bfloat16", 0.01, a * 0.01)]
+                  *(_topk_case("bfloat16", 0.01, a * 0.01, check=c) for c in ("topk", "chunk-topk", "xla-topk"))]
     else:
         cases += [_sel_case("oracle@sel", dtype, kind, a * 0.05) for dtype in LOW]
     if kind == "grad":
@@ -646,6 +658,52 @@ def test_nan_and_minus_inf_fail_in_every_check(check, spoil):
     assert not verdict.passed, f"the {case.label} passes a candidate with one {spoil} element: {verdict.message}"
 
 
+def judge_checks() -> set[tuple[str, str]]:
+    """(check, kind) of every check the judge makes that compares numbers, found by judging
+    identical outputs at every mode and quantity (harness.outputs), at native, chunked and pallas
+    points of every dtype, and the first-diverging-stage diagnosis."""
+    from harness.outputs import (FORWARD_QUANTITIES, FORWARD_STAGES, LOSS_QUANTITIES, LOSS_VARIANTS, MODES,
+                                 PASSED, STAGE_INPUTS, input_grad_names, kind_of, output_name, stage_quantities)
+
+    rng = _rng(13)
+    values = {"compressed_keys": rng.standard_normal((2, 6, 4)), "index_scores": _sparse_scores(),
+              "topk_indices": PICKS}
+    for q in LOSS_QUANTITIES:
+        value = np.float64(0.5) if q == "loss" else rng.standard_normal((8, 5))
+        for variant in LOSS_VARIANTS:  # the same value under every variant: each check compares equal arrays
+            if q == "input_grads":
+                values.update({n: np.zeros((1, 4, 3)) for n in input_grad_names(variant)})
+            else:
+                values[output_name(q, variant)] = value
+    for stage in STAGE_INPUTS:
+        values.update({q: rng.standard_normal((1, 4, 6)) for q in stage_quantities(stage)})
+    same = Outputs("same", values)
+    found = set()
+    for dtype in DTYPES:
+        for knobs in ({}, {"ichunk": 1}, {"backend": "pallas"}):
+            point = Point("tiny", dtype, **knobs)
+            refs = References(same, same, native=same if point.native else None)
+            entries = [Entry(point, mode, q) for mode in MODES
+                       for q in (FORWARD_QUANTITIES if mode == "forward" else LOSS_QUANTITIES)]
+            entries += [Entry(point, STAGE_MODE, q, "plugin") for s in STAGE_INPUTS for q in stage_quantities(s)]
+            for entry in entries:
+                found |= {(r.check, kind_of(r.quantity)) for r in judge(entry, same, refs) if r.status == PASSED}
+        stages = {s: rng.standard_normal((2, 6, 4)) for s in FORWARD_STAGES}
+        found |= {(r.check, "forward") for r in stage_checks(stages, stages, stages, dtype) if r.status == PASSED}
+    return found
+
+
+def test_every_check_the_judge_makes_has_a_boundary_case():
+    """A check kind added to the judge (a new name, or an old one on a new kind of quantity) without
+    a boundary case of the number that bounds it fails here, one line each."""
+    covered = {(c.check, c.kind) for number, keys in ENTRIES.items() if not missing(number, keys)
+               for c in cases_of(number, keys)}
+    lines = [f"the judge's {check!r} check on {kind} quantities has no boundary case: give the builder of the number "
+             "that bounds it (tests/test_tolerance_boundaries.py BUILDERS) a case for it"
+             for check, kind in sorted(judge_checks() - covered)]
+    assert not lines, "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- docs/judging.md's table of guarantees
 
 DOC = ROOT / "docs" / "judging.md"
@@ -657,7 +715,7 @@ END = "<!-- end of guarantees -->"
 def _applies(cases: list[Case]) -> str:
     groups: dict[tuple[str, str], list[str]] = {}
     for c in cases:
-        dtypes = groups.setdefault((c.check, c.kind), [])
+        dtypes = groups.setdefault((c.name, c.kind), [])
         if c.dtype not in dtypes:
             dtypes.append(c.dtype)
     return "; ".join(f"{check} ({kind}): {', '.join(d)}" for (check, kind), d in groups.items())
