@@ -124,8 +124,8 @@ def test_the_number_catalogue_follows_the_table():
 
 
 def test_a_number_mutant_dies_the_same_under_pytest():
-    """The one-process runner and a pytest process of its own agree, on the number the issue that
-    started these found loose (the Pallas backend's float32 gradient bound)."""
+    """The one-process runner and a pytest process of its own agree (here on the Pallas backend's
+    float32 gradient bound)."""
     [m] = [m for m in NUMBER_CATALOGUE if m.rule == "BACKEND.float32.grad"]
     outcome = run_mutant(m)
     assert killed_by_its_test(m, outcome), f"{m.name} under pytest: exit {outcome.returncode}\n{outcome.output[-2000:]}"
