@@ -8,6 +8,10 @@ once: a stale catalogue fails loudly, it never silently tests nothing) and the t
 that must catch it (`killing_test`, a pytest node id; the rules and their tests:
 tests/test_judge_rules.py, the table of them: docs/judging.md).
 
+`NUMBER_CATALOGUE` is derived, not written: one `x10_<number>` mutant per number of
+harness/tolerance.py (`tolerance.entries()`), that number reassigned 10x looser at the end of
+the copy's tolerance.py, killed by its boundary test in tests/test_tolerance_boundaries.py.
+
 The committed source is never touched: `patch_copy` copies harness/ into a temporary directory
 and applies the text patch there; `run_tests` runs the named test in a pytest process of its own
 whose imports find that copy first (PYTHONPATH = the copy, then this checkout for jax_impl and
@@ -19,9 +23,11 @@ all pass there, so a killed mutant dies of its mutation.
 Cheap by design: the killing tests judge hand-made arrays (no JAX program, no torch), so each
 mutant costs one pytest start with the conftest, xdist and hypothesis left out: about 1 s of one
 core on this project's 2-core machine, some 40 CPU-seconds for the catalogue and the clean run.
+The number mutants share one process (`run_numbers`: each a fresh import of its own copy), a
+few seconds for all of them.
 
-    python -m harness.judge_mutations              # every mutant; prints the kill table
-    python -m harness.judge_mutations --only NAME  # some of them
+    python -m harness.judge_mutations                              # every mutant; prints the kill table
+    python -m harness.judge_mutations --only NAME,x10_EXACT64      # some of them
 """
 
 from __future__ import annotations
@@ -612,7 +618,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.judge_mutations", description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated mutant names (default: all)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run side by side (default 1)")
-    ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
+    ap.add_argument("--no-clean", action="store_true",
+                    help="skip the clean (unmutated) run of the hand-made catalogue's tests (the number "
+                         "mutants' process always runs their boundary tests on a clean copy first)")
     ap.add_argument("--json", help="also write the outcomes to this file")
     args = ap.parse_args(argv)
     try:

@@ -16,6 +16,10 @@ Tables are keyed by the numeric kinds of harness.outputs.kind_of: forward
 (compressed keys, scores), loss, grad. The top-k rule takes its score tolerance
 from the forward row; isolation is exact (0). `Policy` is the judge's view of
 all of it (harness.judge).
+
+`entries()` lists every number of this module; tests/test_tolerance_boundaries.py pins each
+one (PINS) and judges hand-made errors at 0.9x and 1.1x of its bound, so a number changed
+here is changed there too (and a new one gets a pin and a boundary case there).
 """
 
 from __future__ import annotations
