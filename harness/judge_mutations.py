@@ -576,7 +576,8 @@ def run_numbers(mutants=NUMBER_CATALOGUE, timeout: float = 300.0) -> tuple[Outco
         except subprocess.TimeoutExpired:
             raise MutationError(f"the number mutants gave no result within {timeout:.0f} s") from None
         if proc.returncode != 0 or not (tmp / "out.json").exists():
-            raise MutationError(f"the number-mutant worker exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+            raise MutationError(f"the number-mutant worker exited {proc.returncode}:\n"
+                                f"{(proc.stdout + proc.stderr)[-3000:]}")
         results = json.loads((tmp / "out.json").read_text())
     outcomes = {}
     for r in results:

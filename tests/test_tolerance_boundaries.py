@@ -346,7 +346,8 @@ def _kernel_case(dtype, bound):
         else:
             got16 = _spoil(_bump(want16, err), spoil)
         results = judge_kernel(got64, want64, got16, want16)
-        return _of(next(r for r in results if r.quantity == ("float64 dq" if dtype == "float64" else "bfloat16 scores")))
+        judged = "float64 dq" if dtype == "float64" else "bfloat16 scores"
+        return _of(next(r for r in results if r.quantity == judged))
 
     return Case("kernel", dtype, "forward and vjp" if dtype == "float64" else "forward", "pallas kernels", bound, run)
 
