@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harness.tolerance import MEMORY_FLOOR_FACTOR, MEMORY_GROWTH_SLACK
+from harness.memory_bounds import grows_no_worse_than_linearly
+from harness.tolerance import MEMORY_FLOOR_FACTOR
 from jax_impl import CSAConfig, indexer_loss, resolve_dtype
 from jax_impl.validate import FLOAT_INPUTS, INT_INPUTS, input_shapes, param_shapes
 
@@ -286,24 +287,6 @@ def sweep_points(chunks):
     for c in chunks:
         rows.append(("both", c, c))
     return rows
-
-
-def grows_no_worse_than_linearly(points, slack=MEMORY_GROWTH_SLACK):
-    """No worse than linear: the memory each extra head adds (per-head slope between
-    consecutive chunk sizes) never exceeds `slack` times the larger of the floor's own
-    per-head slope over the same step and every earlier measured slope. Linear growth has
-    a constant slope; superlinear growth has a rising one."""
-    worst, prev_max, detail = 0.0, 0.0, []
-    for (c0, m0, f0), (c1, m1, f1) in zip(points, points[1:]):
-        slope = (m1 - m0) / (c1 - c0)
-        allowed = slack * max((f1 - f0) / (c1 - c0), prev_max)
-        detail.append({"from": c0, "to": c1, "slope_bytes_per_head": slope, "allowed": allowed})
-        if allowed > 0:
-            worst = max(worst, slope / allowed)
-        elif slope > 0:
-            worst = float("inf")
-        prev_max = max(prev_max, slope)
-    return worst <= 1.0, worst, detail
 
 
 def evaluate_bounds(rows, time_seq=2048, bound_seq=8192):

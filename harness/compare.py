@@ -216,20 +216,21 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
     return dataclasses.replace(result, stats={"torch_error": t_err})
 
 
-def exactly_zero(quantity: str, grads: dict, check: str = "isolation") -> CheckResult:
-    """Input-gradient isolation: every gradient must be exactly 0."""
+def exactly_zero(quantity: str, grads: dict, check: str = "isolation", bound: float = 0.0) -> CheckResult:
+    """Input-gradient isolation: every |gradient| at most `bound` (the judge's is
+    harness.tolerance.ISOLATION, 0: exactly 0); NaN never is."""
     worst, where, count, total, name_at = 0.0, None, 0, 0, ""
     for name, g in grads.items():
         g = to_numpy(g).astype(np.float64)
         total += g.size
-        nz = g != 0
+        nz = ~(np.abs(g) <= bound)
         count += int(nz.sum())
         if g.size and np.max(np.abs(g)) > worst:
             worst = float(np.max(np.abs(g)))
             where = tuple(int(i) for i in np.unravel_index(int(np.argmax(np.abs(g))), g.shape))
             name_at = name
     note = f"in d loss / d {name_at}" if count else ""
-    return CheckResult(check, quantity, PASSED if count == 0 else FAILED, worst, 0.0, where, count, total,
+    return CheckResult(check, quantity, PASSED if count == 0 else FAILED, worst, bound, where, count, total,
                        note, template="isolation")
 
 

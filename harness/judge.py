@@ -121,12 +121,12 @@ def _forward(entry, outputs: Outputs, refs: References, policy: Policy) -> list[
     return out
 
 
-def _isolation(entry, outputs: Outputs) -> list[CheckResult]:
+def _isolation(entry, outputs: Outputs, policy: Policy) -> list[CheckResult]:
     prefix = f"input_grad.{entry.mode}."
     grads = {n[len(prefix):]: v for n, v in outputs.values.items() if n.startswith(prefix)}
     if not grads:
         return [status_result("isolation", entry.quantity, NOT_PROVIDED, outputs.why_missing(prefix))]
-    return [exactly_zero(entry.quantity, grads)]
+    return [exactly_zero(entry.quantity, grads, bound=policy.isolation)]
 
 
 def _dense(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
@@ -206,7 +206,7 @@ def judge(entry, outputs: Outputs, references: References, policy: Policy = Poli
     elif entry.mode == "forward":
         results = _forward(entry, outputs, references, policy)
     elif entry.quantity == "input_grads":
-        results = _isolation(entry, outputs)
+        results = _isolation(entry, outputs, policy)
     elif entry.mode == "dense":
         results = _dense(entry, outputs, references, policy)
     elif entry.mode == "sparse":

@@ -8,6 +8,10 @@ once: a stale catalogue fails loudly, it never silently tests nothing) and the t
 that must catch it (`killing_test`, a pytest node id; the rules and their tests:
 tests/test_judge_rules.py, the table of them: docs/judging.md).
 
+`NUMBER_CATALOGUE` is derived, not written: one `x10_<number>` mutant per number of
+harness/tolerance.py (`tolerance.entries()`), that number reassigned 10x looser at the end of
+the copy's tolerance.py, killed by its boundary test in tests/test_tolerance_boundaries.py.
+
 The committed source is never touched: `patch_copy` copies harness/ into a temporary directory
 and applies the text patch there; `run_tests` runs the named test in a pytest process of its own
 whose imports find that copy first (PYTHONPATH = the copy, then this checkout for jax_impl and
@@ -19,9 +23,11 @@ all pass there, so a killed mutant dies of its mutation.
 Cheap by design: the killing tests judge hand-made arrays (no JAX program, no torch), so each
 mutant costs one pytest start with the conftest, xdist and hypothesis left out: about 1 s of one
 core on this project's 2-core machine, some 40 CPU-seconds for the catalogue and the clean run.
+The number mutants share one process (`run_numbers`: each a fresh import of its own copy), a
+few seconds for all of them.
 
-    python -m harness.judge_mutations              # every mutant; prints the kill table
-    python -m harness.judge_mutations --only NAME  # some of them
+    python -m harness.judge_mutations                              # every mutant; prints the kill table
+    python -m harness.judge_mutations --only NAME,x10_EXACT64      # some of them
 """
 
 from __future__ import annotations
@@ -68,10 +74,11 @@ class HarnessMutant:
     rule: str
     mistake: str
     more: tuple[tuple[str, str], ...] = ()
+    appended: str = ""  # text added at the end of the module (a number mutant: `old` is "")
 
     @property
     def edits(self) -> tuple[tuple[str, str], ...]:
-        return ((self.old, self.new), *self.more)
+        return ((self.old, self.new), *self.more) if self.old else self.more
 
 
 def _rules(test: str) -> str:
@@ -262,8 +269,8 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     HarnessMutant(
         "isolation_tolerates_tiny_gradients", "nan", "compare.py",
-        "        nz = g != 0",
-        "        nz = np.abs(g) > 1e-300",
+        "        nz = ~(np.abs(g) <= bound)",
+        "        nz = np.abs(g) > max(bound, 1e-300)",
         _rules("test_isolation_is_exactly_zero"), "isolation exactly 0",
         "input gradients below 1e-300 (and NaN) counted as zero",
     ),
@@ -345,6 +352,42 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
 )
 
 
+# ------------------------------------------------------------------- every number, 10x looser
+# Derived from the table, not written by hand: one mutant per number of harness/tolerance.py
+# (tolerance.entries()), which reassigns that one number, made 10x looser (tolerance.loosened),
+# at the end of the copy's tolerance.py, so every module that reads it, at import or when called,
+# sees the looser value. Its killing test is the number's boundary test.
+NUMBER_KIND = "number"
+BOUNDARIES = "tests/test_tolerance_boundaries.py"
+NUMBER_TEST = "test_number_at_its_boundary"
+
+
+def number_mutant_name(number: str) -> str:
+    return f"x10_{number}"
+
+
+def _target(keys: tuple) -> str:
+    return str(keys[0]) + "".join(f"[{k!r}]" for k in keys[1:])
+
+
+def number_mutants() -> tuple[HarnessMutant, ...]:
+    """One `x10_<number>` mutant per number of harness/tolerance.py."""
+    from .tolerance import entries, loosened
+
+    out = []
+    for number, keys, value in entries():
+        looser = loosened(value)
+        out.append(HarnessMutant(
+            number_mutant_name(number), NUMBER_KIND, "tolerance.py", "", "",
+            f"{BOUNDARIES}::{NUMBER_TEST}[{number}]", number,
+            f"{number} {value:.6g} -> {looser:.6g} (10x looser)",
+            appended=f"\n# mutant {number_mutant_name(number)}\n{_target(keys)} = {looser!r}\n"))
+    return tuple(out)
+
+
+NUMBER_CATALOGUE: tuple[HarnessMutant, ...] = number_mutants()
+
+
 def _ignore(directory, names):
     return [n for n in names if n == "__pycache__" or n.endswith(".pyc")]
 
@@ -359,8 +402,11 @@ def patch_copy(mutant: HarnessMutant | None, dst: Path, src: Path | None = None)
     shutil.copytree(src, target, ignore=_ignore)
     (dst / "fixtures").symlink_to(REPO_ROOT / "fixtures", target_is_directory=True)
     if mutant is not None:
-        apply_edits(target / mutant.module, mutant.name, mutant.edits, f"{PACKAGE}/{mutant.module}",
-                    "harness/judge_mutations.py")
+        module = target / mutant.module
+        if mutant.edits:
+            apply_edits(module, mutant.name, mutant.edits, f"{PACKAGE}/{mutant.module}", "harness/judge_mutations.py")
+        if mutant.appended:
+            module.write_text(module.read_text() + mutant.appended)
     return target
 
 
@@ -452,6 +498,101 @@ def run_clean(catalogue=CATALOGUE, timeout: float = 300.0) -> Outcome:
     return dataclasses.replace(outcome, name="clean")
 
 
+# The number mutants all run in one process (NUMBER_WORKER): for each, it forgets every harness
+# module, puts that mutant's copy first on sys.path, imports the boundary tests afresh (so they
+# bind the copy's harness, checked as PROBE checks it) and calls the mutant's boundary test. One
+# interpreter start for the whole table instead of one pytest start per number.
+NUMBER_WORKER = """import importlib, importlib.util, json, os, sys, time, traceback
+
+MODULE = "tolerance_boundaries_under_test"
+base = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
+
+
+def load(root, test_file):
+    for name in [m for m in sys.modules if m == "harness" or m.startswith("harness.") or m == MODULE]:
+        del sys.modules[name]
+    sys.path[:] = [root, *base]
+    importlib.invalidate_caches()
+    spec = importlib.util.spec_from_file_location(MODULE, test_file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[MODULE] = module
+    spec.loader.exec_module(module)
+    import harness
+    found = os.path.dirname(os.path.dirname(os.path.abspath(harness.__file__)))
+    if found != os.path.abspath(root):
+        raise RuntimeError(f"the tests imported {harness.__file__}, not the mutated copy")
+    return module
+
+
+results = []
+for job in json.load(open(sys.argv[1])):
+    start, outcomes = time.time(), []
+    try:
+        test = getattr(load(job["root"], job["test_file"]), job["test"])
+    except Exception:
+        results.append({"name": job["name"], "error": traceback.format_exc(), "outcomes": [], "seconds": 0.0})
+        continue
+    for param in job["params"]:
+        try:
+            test(param)
+            outcomes.append([param, "passed", ""])
+        except AssertionError as e:
+            outcomes.append([param, "failed", str(e)])
+        except Exception:
+            outcomes.append([param, "error", traceback.format_exc()])
+    results.append({"name": job["name"], "error": "", "outcomes": outcomes, "seconds": time.time() - start})
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def _number_of(mutant: HarnessMutant) -> str:
+    return mutant.killing_test.split("[", 1)[1].rstrip("]")
+
+
+def run_numbers(mutants=NUMBER_CATALOGUE, timeout: float = 300.0) -> tuple[Outcome, dict[str, Outcome]]:
+    """(clean, {name: outcome}): every boundary test of `mutants` on an unmutated copy (all must
+    pass), then each number mutant's boundary test on its own copy, all in one process
+    (NUMBER_WORKER). An outcome's returncode is pytest's: 0 passed, 1 the test failed (its
+    assertion: a kill), 2 it could not run (an import or other error: never a kill)."""
+    numbers = [_number_of(m) for m in mutants]
+    with tempfile.TemporaryDirectory(prefix="harness-number-mutants-") as tmp:
+        tmp = Path(tmp)
+        jobs = []
+        for i, m in enumerate([None, *mutants]):
+            root = tmp / f"copy{i}"
+            patch_copy(m, root)
+            jobs.append({"name": "clean" if m is None else m.name, "root": str(root),
+                         "test_file": str(REPO_ROOT / BOUNDARIES), "test": NUMBER_TEST,
+                         "params": numbers if m is None else [_number_of(m)]})
+        (tmp / "jobs.json").write_text(json.dumps(jobs))
+        (tmp / "number_worker.py").write_text(NUMBER_WORKER)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
+        env.pop("PYTHONPATH", None)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        try:
+            proc = subprocess.run([sys.executable, str(tmp / "number_worker.py"), str(tmp / "jobs.json"),
+                                   str(tmp / "out.json")], cwd=tmp, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise MutationError(f"the number mutants gave no result within {timeout:.0f} s") from None
+        if proc.returncode != 0 or not (tmp / "out.json").exists():
+            raise MutationError(f"the number-mutant worker exited {proc.returncode}:\n"
+                                f"{(proc.stdout + proc.stderr)[-3000:]}")
+        results = json.loads((tmp / "out.json").read_text())
+    outcomes = {}
+    for r in results:
+        if r["error"]:
+            outcomes[r["name"]] = Outcome(r["name"], 2, (), (), r["seconds"], r["error"])
+            continue
+        failed = tuple(f"{BOUNDARIES}::{NUMBER_TEST}[{p}]" for p, status, _ in r["outcomes"] if status == "failed")
+        errors = [msg for _, status, msg in r["outcomes"] if status == "error"]
+        messages = [msg for _, status, msg in r["outcomes"] if status != "passed"]
+        code = 2 if errors else (1 if failed else 0)
+        first_lines = tuple(dict.fromkeys(m.splitlines()[0] for m in messages if m))
+        outcomes[r["name"]] = Outcome(r["name"], code, failed, first_lines, r["seconds"], "\n".join(messages))
+    return outcomes.pop("clean"), outcomes
+
+
 def _table(rows) -> str:
     header = ("mutant", "kind", "module", "killed", "killing test", "rule its failure names (first)", "wall s")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -478,18 +619,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.judge_mutations", description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated mutant names (default: all)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run side by side (default 1)")
-    ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
+    ap.add_argument("--no-clean", action="store_true",
+                    help="skip the clean (unmutated) run of the hand-made catalogue's tests (the number "
+                         "mutants' process always runs their boundary tests on a clean copy first)")
     ap.add_argument("--json", help="also write the outcomes to this file")
     args = ap.parse_args(argv)
     try:
-        chosen = select(CATALOGUE, args.only, patch_copy)
+        chosen = select(CATALOGUE + NUMBER_CATALOGUE, args.only, patch_copy)
     except MutationError as exc:
         print(f"harness.judge_mutations: error: {exc}", file=sys.stderr)
         return 2
+    by_hand = [m for m in chosen if m.kind != NUMBER_KIND]
+    numbers = [m for m in chosen if m.kind == NUMBER_KIND]
     start = time.time()
-    clean = None if args.no_clean else run_clean(chosen)
+    clean = None if args.no_clean or not by_hand else run_clean(by_hand)
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        outcomes = dict(zip([m.name for m in chosen], pool.map(run_mutant, chosen)))
+        outcomes = dict(zip([m.name for m in by_hand], pool.map(run_mutant, by_hand)))
+    numbers_clean = None
+    if numbers:
+        numbers_clean, number_outcomes = run_numbers(numbers)
+        outcomes.update(number_outcomes)
     wall = time.time() - start
     rows = []
     for m in chosen:
@@ -501,17 +650,23 @@ def main(argv=None) -> int:
     killed = sum(r[3] == "yes" for r in rows)
     print(f"killed by their named test: {killed}/{len(chosen)}  (wall {wall:.1f} s with {args.jobs} job(s))")
     if clean is not None:
-        print(f"clean run: {'pass' if clean.passed else 'FAIL'} ({len(set(m.killing_test for m in chosen))} "
+        print(f"clean run: {'pass' if clean.passed else 'FAIL'} ({len(set(m.killing_test for m in by_hand))} "
               f"killing tests, {clean.seconds:.1f} s)")
         if not clean.passed:
             print(clean.output[-4000:])
+    if numbers_clean is not None:
+        print(f"clean run of the boundary tests: {'pass' if numbers_clean.passed else 'FAIL'} ({len(numbers)} "
+              f"numbers, {numbers_clean.seconds:.1f} s; the {len(numbers)} number mutants in one process)")
+        if not numbers_clean.passed:
+            print(numbers_clean.output[-4000:])
     for m in chosen:
         if outcomes[m.name].passed or not outcomes[m.name].ran:
             print(f"\n--- {m.name}: {verdict(m, outcomes[m.name])}\n{outcomes[m.name].output[-2000:]}")
     if args.json:
         Path(args.json).write_text(json.dumps({"wall_s": wall, "outcomes": [
             {**dataclasses.asdict(o), "output": o.output[-2000:]} for o in outcomes.values()]}, indent=1))
-    return 0 if killed == len(chosen) and (clean is None or clean.passed) else 1
+    clean_ok = (clean is None or clean.passed) and (numbers_clean is None or numbers_clean.passed)
+    return 0 if killed == len(chosen) and clean_ok else 1
 
 
 if __name__ == "__main__":

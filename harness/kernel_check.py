@@ -74,7 +74,16 @@ def kernel_check() -> list[CheckResult]:
     want, ref16 = reference(q, keys, hw, ct)
     got = kernels64(q, keys, hw, ct)
     out16 = kernels16(q, keys, hw)
-    names = ("scores", "dq", "dkeys", "dhead_weights")
-    results = [compare_close(CHECK, f"float64 {n}", g, w, EXACT64) for n, g, w in zip(names, got, want)]
-    results.append(compare_close(CHECK, "bfloat16 scores", out16, ref16, KERNEL_BF16_FORWARD))
+    return judge_kernel(dict(zip(NAMES64, got)), dict(zip(NAMES64, want)), out16, ref16)
+
+
+NAMES64 = ("scores", "dq", "dkeys", "dhead_weights")
+
+
+def judge_kernel(got64: dict, want64: dict, got16, want16) -> list[CheckResult]:
+    """The verdicts of `kernel_check` on the arrays it computed: each float64 output of
+    NAMES64 against the autodiff reference at EXACT64, the bfloat16 forward against the
+    widened XLA contribution at KERNEL_BF16_FORWARD (normwise, `kernel` checks)."""
+    results = [compare_close(CHECK, f"float64 {n}", got64[n], want64[n], EXACT64) for n in NAMES64]
+    results.append(compare_close(CHECK, "bfloat16 scores", got16, want16, KERNEL_BF16_FORWARD))
     return results

@@ -83,14 +83,14 @@ def memory_check() -> dict:
         analytic_floor,
         compiled_temp_bytes,
     )
+    from harness.memory_bounds import within_floor_factor
     from harness.tolerance import MEMORY_FLOOR_FACTOR as MEMORY_FACTOR
     from jax_impl import CSAConfig
 
     cfg = CSAConfig(**MEMORY_SHAPE, indexer_head_chunk=1, loss_head_chunk=1)
     held = compiled_temp_bytes(cfg, MEMORY_BATCH, MEMORY_SEQ)["effective"]
     floor = analytic_floor(cfg, MEMORY_BATCH, MEMORY_SEQ)["total"]
-    ratio = held / floor
-    ok = ratio <= MEMORY_FACTOR
+    ok, ratio = within_floor_factor(held, floor)
     context = f"memory B={MEMORY_BATCH} S={MEMORY_SEQ} HI={MEMORY_SHAPE['index_n_heads']} ichunk=1 tchunk=1"
     return {
         "check": "memory", "quantity": "temp_bytes", "context": context, "passed": ok,

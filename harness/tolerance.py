@@ -16,11 +16,16 @@ Tables are keyed by the numeric kinds of harness.outputs.kind_of: forward
 (compressed keys, scores), loss, grad. The top-k rule takes its score tolerance
 from the forward row; isolation is exact (0). `Policy` is the judge's view of
 all of it (harness.judge).
+
+`entries()` lists every number of this module; tests/test_tolerance_boundaries.py pins each
+one (PINS) and judges hand-made errors at 0.9x and 1.1x of its bound, so a number changed
+here is changed there too (and a new one gets a pin and a boundary case there).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 from .outputs import kind_of
@@ -202,7 +207,8 @@ def backend_bound(dtype: str, quantity: str) -> float:
 # --- Top-k: a pick that differs from the reference's is excused only when it and the
 # pick it replaced both score within the forward bound of the reference's k-th score
 # (harness.judge.score_tolerance; the rule itself is harness.compare.topk_sets, the only
-# one in the project). Isolation: d loss / d inputs must be exactly 0.
+# one in the project). Isolation: d loss / d inputs must be exactly 0: the largest |input
+# gradient| allowed (harness.compare.exactly_zero) is 0.
 ISOLATION = 0.0
 
 
@@ -284,3 +290,41 @@ class Policy:
     @property
     def exact64(self) -> float:
         return EXACT64
+
+    @property
+    def isolation(self) -> float:
+        return ISOLATION
+
+
+def entries() -> list[tuple[str, tuple, float]]:
+    """Every number of this module that decides a verdict, as (dotted name, keys, value):
+    each upper-case module-level number (`EXACT64`: keys ("EXACT64",)) and each number of an
+    upper-case table, nested dicts and tuples included (`CHUNK.float32.grad`: keys ("CHUNK",
+    "float32", "grad")). Found by walking the module, so a number added here is listed
+    without being registered anywhere: tests/test_tolerance_boundaries.py pins each one at
+    its boundary (and fails, naming it, for one it has no boundary case for), and
+    harness.judge_mutations loosens each one in turn."""
+    out: list[tuple[str, tuple, float]] = []
+
+    def walk(keys: tuple, value) -> None:
+        if isinstance(value, bool):
+            return
+        if isinstance(value, (int, float)):
+            out.append((".".join(str(k) for k in keys), keys, float(value)))
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk((*keys, k), v)
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                walk((*keys, i), v)
+
+    for name, value in list(globals().items()):
+        if name.isupper() and not name.startswith("_"):
+            walk((name,), value)
+    return out
+
+
+def loosened(value: float) -> float:
+    """`value` made 10 times looser: every number here is a bound, a floor, a multiplier of
+    one or a factor, so larger is looser; a bound of 0 becomes the smallest positive double."""
+    return value * 10.0 if value > 0 else math.ulp(0.0)

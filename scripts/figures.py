@@ -17,6 +17,9 @@ What it reads, all cheap (a few seconds, no JAX program compiled):
   hour on 2 cores). The section names the report and the command that wrote it; with no
   report present (a fresh clone) the page keeps the section it has.
 
+It also writes docs/judging.md's table of guarantees (every number of harness/tolerance.py, what
+it decides, its boundary test and its mutant) from tests/test_tolerance_boundaries.py.
+
 Every section names the command that reproduces its figures. The docs pages link here
 instead of copying a figure that changes when the code, the catalogue or the machine does.
 """
@@ -84,6 +87,8 @@ def catalogue_section() -> list[str]:
                  f"{len(mutations.CATALOGUE)} ({beyond} only a pinned random problem reveals)",
                  "`python -m harness.mutations`"],
                 ["planted judge mistakes", len(judge_mutations.CATALOGUE), "`python -m harness.judge_mutations`"],
+                ["numbers of harness/tolerance.py, each pinned at its boundary and loosened 10x by a mutant",
+                 len(judge_mutations.NUMBER_CATALOGUE), "`pytest tests/test_tolerance_boundaries.py`"],
                 ["boundary test functions of the judge's rules", rule_tests, "`pytest tests/test_judge_rules.py`"],
             ]), ""]
 
@@ -256,6 +261,34 @@ def write(report: Path) -> str:
     return text
 
 
+JUDGING = ROOT / "docs" / "judging.md"
+BOUNDARIES = ROOT / "tests" / "test_tolerance_boundaries.py"
+
+
+def _boundaries_module():
+    """tests/test_tolerance_boundaries.py, which holds the boundary cases of every number and
+    writes the table of guarantees from them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tolerance_boundaries", BOUNDARIES)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_guarantees() -> None:
+    """Replace docs/judging.md's table of guarantees (every number of harness/tolerance.py, what it
+    decides, its boundary test, its mutant) with the one the code gives now."""
+    boundaries = _boundaries_module()
+    page = JUDGING.read_text()
+    current = boundaries.current_guarantees(page)
+    if current is None:
+        raise SystemExit(f"{JUDGING.relative_to(ROOT)} has no table of guarantees to replace (the block from "
+                         f"{boundaries.BEGIN!r} to {boundaries.END!r})")
+    JUDGING.write_text(page.replace(current, boundaries.guarantees_table()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", type=Path, default=ROOT / "reports" / "parity.json",
@@ -272,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             return rc
     write(report)
     print(f"wrote {OUT.relative_to(ROOT)}")
+    write_guarantees()
+    print(f"wrote the table of guarantees in {JUDGING.relative_to(ROOT)}")
     return 0
 
 

@@ -7,9 +7,13 @@ copy (checked by a probe plug-in: a run that imported this checkout's harness st
 counts as a kill). A surviving mutant fails its own test, named after it; so does one killed
 only by a crash or by another test. `python -m harness.judge_mutations` prints the kill table.
 
-Cost: one pytest start per mutant (no conftest, no JAX program): about 1 s of one core each,
-some 40 CPU-seconds for the file on the 2-core machine. `make test` runs it in its second
-process, beside the matrix.
+The number mutants (one per number of harness/tolerance.py, 10x looser) are checked the same
+way, all in one process (harness.judge_mutations.run_numbers), and one of them once more under
+pytest, to show both ways agree.
+
+Cost: one pytest start per mutant of the hand-made catalogue (no conftest, no JAX program):
+about 1 s of one core each, some 40 CPU-seconds on the 2-core machine; the number mutants
+a few seconds together. `make test` runs it in its main process, after the matrix.
 """
 
 from __future__ import annotations
@@ -21,17 +25,24 @@ from pathlib import Path
 
 import pytest
 
+from harness import tolerance
 from harness.judge_mutations import (
+    BOUNDARIES,
     CATALOGUE,
     KINDS,
     MODULES,
+    NUMBER_CATALOGUE,
+    NUMBER_KIND,
+    NUMBER_TEST,
     PACKAGE,
     HarnessMutant,
     MutationError,
     killed_by_its_test,
+    number_mutant_name,
     patch_copy,
     run_clean,
     run_mutant,
+    run_numbers,
     run_tests,
 )
 
@@ -62,6 +73,64 @@ def test_harness_mutant_is_killed_by_its_test(mutant: HarnessMutant):
         f"mutant {mutant.name!r} was killed by {', '.join(outcome.failed)}, not by {mutant.killing_test}")
 
 
+# ----------------------------------------------------------------------------- every number, 10x looser
+
+
+@pytest.fixture(scope="module")
+def number_runs():
+    return run_numbers()
+
+
+def test_the_boundary_tests_pass_on_an_unmutated_copy(number_runs):
+    clean, _ = number_runs
+    assert clean.passed, (f"the boundary tests fail on the unmutated harness (pytest-like exit {clean.returncode}), "
+                          f"so a killed number mutant proves nothing:\n{clean.output[-3000:]}")
+
+
+def test_every_number_10x_looser_is_killed_by_its_boundary_test(number_runs):
+    """Each number of harness/tolerance.py made 10x looser in a copy fails its boundary test, with
+    every one of its boundary cases going soft (none of them is blind to it), and the failure
+    starts with the number's name."""
+    _, outcomes = number_runs
+    problems = []
+    for m in NUMBER_CATALOGUE:
+        o = outcomes[m.name]
+        number = m.rule
+        if not o.ran:
+            problems.append(f"{m.name}: the boundary test could not run on the mutated copy (a crash is not a kill):"
+                            f" {o.output[-500:]}")
+        elif o.passed:
+            problems.append(f"{m.name} SURVIVED: {m.killing_test} passes with {m.mistake}")
+        elif not killed_by_its_test(m, o):
+            problems.append(f"{m.name}: killed by {', '.join(o.failed)}, not by {m.killing_test}")
+        elif not all(line.startswith(number) for line in o.rules):
+            problems.append(f"{m.name}: the failure does not start with the number's name: {o.rules[0]}")
+        else:
+            count = re.search(rf"^{re.escape(number)}: (\d+) of its (\d+) boundary cases fail$", o.output, re.M)
+            if not count or count.group(1) != count.group(2):
+                problems.append(f"{m.name}: not every boundary case of {number} fails: "
+                                f"{count.group(0) if count else o.output[-500:]}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_number_catalogue_follows_the_table():
+    """One mutant per number of harness/tolerance.py, named after it, killed by its boundary test."""
+    numbers = [n for n, _, _ in tolerance.entries()]
+    assert [m.name for m in NUMBER_CATALOGUE] == [number_mutant_name(n) for n in numbers]
+    for m, (number, _, value) in zip(NUMBER_CATALOGUE, tolerance.entries()):
+        assert m.kind == NUMBER_KIND and m.module == "tolerance.py" and m.rule == number, m
+        assert m.killing_test == f"{BOUNDARIES}::{NUMBER_TEST}[{number}]", m
+        assert repr(tolerance.loosened(value)) in m.appended and tolerance.loosened(value) > value, m
+
+
+def test_a_number_mutant_dies_the_same_under_pytest():
+    """The one-process runner and a pytest process of its own agree (here on the Pallas backend's
+    float32 gradient bound)."""
+    [m] = [m for m in NUMBER_CATALOGUE if m.rule == "BACKEND.float32.grad"]
+    outcome = run_mutant(m)
+    assert killed_by_its_test(m, outcome), f"{m.name} under pytest: exit {outcome.returncode}\n{outcome.output[-2000:]}"
+
+
 # ----------------------------------------------------------------------------- the catalogue
 
 
@@ -87,7 +156,7 @@ def test_catalogue_is_complete():
 def test_every_mutant_still_applies_exactly_once():
     """A stale catalogue (the source moved on) fails here, by name, before anything runs."""
     stale = []
-    for m in CATALOGUE:
+    for m in CATALOGUE + NUMBER_CATALOGUE:
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 target = patch_copy(m, Path(tmp))
@@ -129,6 +198,7 @@ def test_the_judging_doc_names_every_mutant_and_only_real_tests():
     import re
 
     doc = (ROOT / "docs" / "judging.md").read_text()
+    doc = re.sub(r"<!-- guarantees:.*?<!-- end of guarantees -->", "", doc, flags=re.S)  # the numbers' table
     rows = [line for line in doc.splitlines() if line.startswith("| ") and "`test_" in line]
     named_tests = {t for row in rows for t in re.findall(r"`(test_\w+)`", row)}
     named_mutants = {m for row in rows for m in re.findall(r"`([a-z0-9_]+)`", re.split(r"(?<!\\)\|", row)[3])}
