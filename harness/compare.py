@@ -128,6 +128,22 @@ class CheckResult:
         return dataclasses.replace(self, context=context)
 
 
+def identical(check: str, quantity: str, candidate, reference) -> CheckResult:
+    """Bit for bit: the quantizer's codes and scales (SPEC section 7a) from the same values, where
+    no rounding may differ. A different shape fails; so does NaN (never equal to itself)."""
+    a, b = to_numpy(candidate), to_numpy(reference)
+    if a.shape != b.shape:
+        n = max(a.size, b.size)
+        return CheckResult(check, quantity, FAILED, math.inf, 0.0, None, n, n,
+                           f"shape {list(a.shape)} against {list(b.shape)}", template="pattern")
+    differ = a != b
+    n = int(differ.sum())
+    where = tuple(int(i) for i in np.argwhere(differ)[0]) if n else None
+    note = f"first {a[where]} against {b[where]}" if n else "identical"
+    return CheckResult(check, quantity, FAILED if n else PASSED, float(n), 0.0, where, n, a.size, note,
+                       template="pattern")
+
+
 def status_result(check: str, quantity: str, status: str, why: str, **stats) -> CheckResult:
     """A check that compared no numbers: not provided, not applicable, or excused as a whole."""
     return CheckResult(check, quantity, status, note=why, template="status", stats=dict(stats))

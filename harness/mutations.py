@@ -610,8 +610,8 @@ CATALOGUE: tuple[Mutant, ...] = (
              killing_test="tests/test_random_configs.py::test_pinned_problem[quant_e2m1_rotated]")
       for name, module, old, new, mistake, more in (
         ("quant_keys_unrotated", "scoring.py",
-         "    return keys if cfg.index_quant is None else fake_quantize(keys, cfg.index_quant, wide)\n",
-         "    return keys if cfg.index_quant is None else fake_quantize(\n"
+         "    k_hat, codes, scales = quantize_for_scoring(keys, cfg.index_quant, wide)\n",
+         "    k_hat, codes, scales = quantize_for_scoring(\n"
          "        keys, type(cfg.index_quant)(cfg.index_quant.format, cfg.index_quant.block, False), wide)\n",
          "the queries rotated, the keys not (a fused key kernel that skips the Hadamard)", ()),
         ("quant_rotation_unscaled", "quant.py",
@@ -625,13 +625,13 @@ CATALOGUE: tuple[Mutant, ...] = (
          "values then exceed Qmax and are clipped", ()),
         ("quant_blocks_across_heads", "quant.py",
          "    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.asarray(fmt.tiny, wide))\n",
-         "    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(-1, -3), keepdims=True)[..., 0],\n"
-         "                       jnp.asarray(fmt.tiny, wide))\n",
+         "    amax = jnp.maximum(jnp.broadcast_to(jnp.max(jnp.abs(blocks), axis=(-1, -3), keepdims=True)[..., 0],\n"
+         "                                        blocks.shape[:-1]), jnp.asarray(fmt.tiny, wide))\n",
          "a block's scale taken over the same channels of every head (every key block) instead of "
          "along one head's channels", ()),
         ("quant_straight_through_dropped", "quant.py",
-         "    return jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))\n",
-         "    return jax.lax.stop_gradient(x_hat)\n",
+         "    scored = jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))\n",
+         "    scored = jax.lax.stop_gradient(x_hat)\n",
          "no straight-through gradient: the quantized values are constants, the query and key "
          "parameters get a zero gradient", ()),
         ("quant_true_rounding_derivative", "quant.py",
@@ -639,8 +639,8 @@ CATALOGUE: tuple[Mutant, ...] = (
          "    xw = x.astype(wide)\n",
          "the rounding's own derivative (0 almost everywhere) in place of the straight-through "
          "identity",
-         (("    return jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))\n",
-           "    return x_hat\n"),)),
+         (("    scored = jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))\n",
+           "    scored = x_hat\n"),)),
         ("quant_dequantize_without_scale", "quant.py",
          "    return codes * per_channel, codes, scales\n", "    return codes, codes, scales\n",
          "the codes scored without their block scale", ()),

@@ -8,11 +8,13 @@ low dtype. `check_problem` runs it on both sides through their public entry poin
   exact64   float64 JAX (native: chunk knobs 0) vs float64 torch, at `tolerance.EXACT64`:
             compressed keys, masked scores (the -inf pattern exactly), top-k sets (boundary
             ties excused at the same bound), the loss of the problem's mode (`sparse_loss`)
-            and the six parameter gradients;
+            and the six parameter gradients; with `index_quant`, the quantizer's codes and
+            scales bit for bit (`identical`: the same rotated values to 1e-16);
   isolation d loss / d inputs exactly 0;
   chunk     the problem's chunk knobs vs native, at `tolerance.CHUNK`, in float64 and in the
             problem's low dtype (float32, bfloat16 or float16; float64: none);
-            selections as sets (`chunk-topk`).
+            selections as sets (`chunk-topk`); codes and scales bit for bit (every head of
+            every row is quantized on its own, in whichever chunk).
 
 Not judged here: JAX at a low dtype against the oracle relative to torch at that dtype
 (SPEC section 10's `oracle` check). Its floors (tolerance.FLOOR) assume tensors large enough
@@ -45,7 +47,7 @@ import numpy as np
 
 from . import tolerance
 from .cases import CONFIG_FIELDS, PROBLEM_FIELDS, Case, make_inputs
-from .compare import CheckResult, compare_close, exactly_zero, topk_sets
+from .compare import CheckResult, compare_close, exactly_zero, identical, topk_sets
 from .fixtures import LOW_DTYPES
 from .outputs import PARAM_NAMES
 
@@ -196,6 +198,8 @@ def check_problem(problem: Problem) -> Report:
     tol64 = _tie_tolerance(t64["index_scores"], tolerance.EXACT64)
     for q in ("compressed_keys", "index_scores"):
         add(compare_close("exact64", q, j64[q], t64[q], tolerance.EXACT64, _scale(q)), "float64")
+    for q in _codes(problem):  # the same rotated values to 1e-16: the same codes and scales
+        add(identical("exact64", q, j64[q], t64[q]), "float64")
     sel = add(topk_sets("topk_indices", j64["topk_indices"], t64["topk_indices"], t64["index_scores"], tol64),
               "float64")
     report.excused_ties += sel.stats.get("excused", 0)
@@ -221,11 +225,21 @@ def check_problem(problem: Problem) -> Report:
     return report
 
 
+QUANTIZER_OUTPUTS = ("query_codes", "query_scales", "key_codes", "key_scales")
+
+
+def _codes(problem: Problem) -> tuple[str, ...]:
+    """The quantizer's outputs when the problem quantizes (SPEC section 7a), else none."""
+    return QUANTIZER_OUTPUTS if problem.config.get("index_quant") is not None else ()
+
+
 def _chunk_checks(add, report, jax_impl, params, inputs, problem, dtype, native, t64, knobs, mode):
     chunked = _run(jax_impl, params, inputs, problem.config, dtype)
     label = f"{dtype} " + " ".join(f"{k}={v}" for k, v in knobs.items())
     for q in ("compressed_keys", "index_scores"):
         add(compare_close("chunk", q, chunked[q], native[q], tolerance.chunk_bound(dtype, q), _scale(q)), label)
+    for q in _codes(problem):  # each head of each row quantized on its own, in any chunk
+        add(identical("chunk", q, chunked[q], native[q]), label)
     bound = tolerance.EXACT64 if dtype == "float64" else tolerance.chunk_bound(dtype, "index_scores")
     r = add(topk_sets("topk_indices", chunked["topk_indices"], native["topk_indices"], t64["index_scores"],
                       _tie_tolerance(t64["index_scores"], bound)), label)

@@ -33,7 +33,8 @@ from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check
 
 def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=None, prepare_keys=None,
                   reduce_scores=None):
-    """Keys, masked scores, validity and top-k from wide params (SPEC sections 5-7).
+    """Keys, masked scores, validity, top-k and the quantizer's outputs (`codes_dict`; {}
+    without `cfg.index_quant`) from wide params (SPEC sections 5-7a).
 
     The hooks serve jax_impl.sharded, where a device scores only its local heads:
     `score_cfg` (the config with the local head count), `prepare_keys` (applied to the
@@ -49,22 +50,35 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    k_in = scoring_keys(keys, cfg, wide)
+    k_in, key_codes = scoring_keys(keys, cfg, wide)
     k_in = k_in if prepare_keys is None else prepare_keys(k_in)
-    scores = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, k_in, score_cfg or cfg, wide)
+    scores, query_codes = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, k_in, score_cfg or cfg, wide,
+                                     with_codes=True)
     if reduce_scores is not None:
         scores = reduce_scores(scores)
     valid = block_validity(pos, seg, cfg, x.shape[1])
     masked = mask_scores(scores, valid)
-    return keys, masked, valid, topk_indices(masked, valid, cfg.index_topk)
+    return keys, masked, valid, topk_indices(masked, valid, cfg.index_topk), codes_dict(query_codes, key_codes)
+
+
+def codes_dict(query_codes, key_codes) -> dict:
+    """The quantizer's outputs under their public names (SPEC section 7a): query_codes
+    [B, S, HI, DI] and key_codes [B, W, DI] (uint8 bit patterns), query_scales [B, S, HI,
+    DI / block] and key_scales [B, W, DI / block] (float32 powers of two); {} when the indexer
+    does not quantize."""
+    out = {}
+    for side, pair in (("query", query_codes), ("key", key_codes)):
+        if pair is not None:
+            out[f"{side}_codes"], out[f"{side}_scales"] = pair
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))
 def _forward_jit(params, inputs, cfg, dtype_name):
     if cfg.query_chunk:  # the query-blocked path, assembled to the full outputs
         return query_blocks.forward(params, inputs, cfg, dtype_name)
-    keys, masked, _, topk = forward_parts(params, inputs, cfg, dtype_name)
-    return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
+    keys, masked, _, topk, codes = forward_parts(params, inputs, cfg, dtype_name)
+    return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk, **codes}
 
 
 def _loss_core(params, float_inputs, int_inputs, selection, cfg, dtype_name):
@@ -72,7 +86,7 @@ def _loss_core(params, float_inputs, int_inputs, selection, cfg, dtype_name):
         return query_blocks.loss(params, float_inputs, int_inputs, selection, cfg, dtype_name)
     dtype, wide = resolve_dtype(dtype_name)
     inputs = {**float_inputs, **int_inputs}
-    _, masked, valid, topk = forward_parts(params, inputs, cfg, dtype_name)
+    _, masked, valid, topk, _ = forward_parts(params, inputs, cfg, dtype_name)
     return kl_loss(masked, valid, topk, inputs, cfg, dtype, wide, selection)
 
 
@@ -148,11 +162,11 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     dtype, wide = resolve_dtype(dtype_name)
 
     def scores_fn(params, float_inputs):
-        keys, masked, valid, topk = forward_parts(params, {**float_inputs, **int_inputs}, cfg, dtype_name)
-        return masked, (keys, valid, topk)
+        keys, masked, valid, topk, codes = forward_parts(params, {**float_inputs, **int_inputs}, cfg, dtype_name)
+        return masked, (keys, valid, topk, codes)
 
-    masked, pullback, (keys, valid, topk) = jax.vjp(scores_fn, params, float_inputs, has_aux=True)
-    out = {"forward": {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}}
+    masked, pullback, (keys, valid, topk, codes) = jax.vjp(scores_fn, params, float_inputs, has_aux=True)
+    out = {"forward": {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk, **codes}}
     modes = {"dense": (False, None), "sparse": (True, None), "sparse_at_selection": (True, selection)}
     losses, score_cts, teacher_cts = {}, [], []
     teacher = {n: float_inputs[n] for n in teacher_input_names(cfg)}
@@ -207,7 +221,7 @@ def _stages_jit(params, inputs, selection, cfg, dtype_name):
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
     q = queries(q_latent, p["indexer.wq_b"], pos, cfg.index_n_heads, cfg, wide)
     # The scoring stage's inputs: with index_quant the quantized values (wide), else q and K.
-    q_in, k_in = scoring_queries(q, cfg, wide), scoring_keys(keys, cfg, wide)
+    (q_in, _), (k_in, _) = scoring_queries(q, cfg, wide), scoring_keys(keys, cfg, wide)
     if cfg.scoring_backend == "pallas":  # the stage as the backend computes it
         scores = kernels.contribution(q_in, k_in, hw) * (cfg.index_head_dim**-0.5)
     else:

@@ -127,13 +127,21 @@ def quantize_parts(x, quant, wide):
     return codes * per_channel, codes, scales
 
 
-def fake_quantize(x, quant, wide):
-    """The rotated and quantized values the indexer scores (SPEC section 7a steps 1-5): wide,
-    with the straight-through gradient. x [..., DI] in the compute dtype, after RoPE."""
+def quantize_for_scoring(x, quant, wide):
+    """x [..., DI] in the compute dtype, after RoPE -> (the rotated and quantized values the
+    indexer scores, wide, with the straight-through gradient (SPEC section 7a steps 1-5); their
+    codes, uint8 [..., DI]; their scales, float32 [..., DI / block]). What a caller does not use,
+    XLA does not compute."""
     rotated = rotate(x, quant, wide)
-    x_hat, _, _ = quantize_parts(rotated, quant, wide)
+    x_hat, codes, scales = quantize_parts(rotated, quant, wide)
     xw = rotated.astype(wide)
-    return jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))
+    scored = jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))
+    return scored, encode(codes, FORMATS[quant.format]), scales.astype(jnp.float32)
+
+
+def fake_quantize(x, quant, wide):
+    """The values the indexer scores alone (`quantize_for_scoring`'s first result)."""
+    return quantize_for_scoring(x, quant, wide)[0]
 
 
 def codes_and_scales(x, quant, wide):

@@ -116,12 +116,14 @@ def _setup(params, inputs, cfg, dtype_name):
     keys = compress_keys(
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
-    return keys, scoring_keys(keys, cfg, wide).astype(wide), key_blocks(pos, seg, cfg, x.shape[1])
+    k_in, key_codes = scoring_keys(keys, cfg, wide)
+    return keys, k_in.astype(wide), key_blocks(pos, seg, cfg, x.shape[1]), key_codes
 
 
-def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard=ONE_DEVICE):
+def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard=ONE_DEVICE, with_codes=False):
     """One block of rows start .. start + r - 1: (masked scores [B, r, W] wide, validity
-    [B, r, W], top-k [B, r, k_eff], the rows [r]). params and keys wide."""
+    [B, r, W], top-k [B, r, k_eff], the rows [r]; with `with_codes`, then the queries' (codes,
+    scales) of the rows, or None without quantization). params and keys wide."""
     dtype, wide = resolve_dtype(dtype_name)
     p = {k: round_to(params[k], dtype) for k in _QUERY_PARAMS}
     seq_len = inputs["position_ids"].shape[1]
@@ -132,10 +134,13 @@ def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard
     pos = _take_rows(inputs["position_ids"], rows)
     seg = _take_rows(inputs["segment_ids"], rows)
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    scores = _apply(shard.sum_heads, raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, shard.score_cfg or cfg, wide))
+    scores, codes = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, shard.score_cfg or cfg, wide,
+                               with_codes=True)
+    scores = _apply(shard.sum_heads, scores)
     valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None]
     masked = mask_scores(scores, valid)
-    return masked, valid, topk_indices(masked, valid, cfg.index_topk), rows
+    out = masked, valid, topk_indices(masked, valid, cfg.index_topk), rows
+    return (*out, codes) if with_codes else out
 
 
 def _starts(seq_len: int, r: int):
@@ -153,25 +158,35 @@ def _over_blocks(body, seq_len: int, r: int):
 
 def forward(params, inputs, cfg, dtype_name):
     """{compressed_keys [B, W, DI], index_scores [B, S, W] (wide, -inf where invalid),
-    topk_indices [B, S, k_eff]}, computed block by block and assembled."""
-    keys, keys_wide, blocks = _setup(params, inputs, cfg, dtype_name)
-    masked, topk = rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name,
-                                block_rows(cfg, inputs["position_ids"].shape[1]))
-    return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
+    topk_indices [B, S, k_eff], and with quantization the codes and scales (api.codes_dict)},
+    computed block by block and assembled."""
+    keys, keys_wide, blocks, key_codes = _setup(params, inputs, cfg, dtype_name)
+    masked, topk, query_codes = rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name,
+                                             block_rows(cfg, inputs["position_ids"].shape[1]), with_codes=True)
+    out = {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
+    for side, pair in (("query", query_codes), ("key", key_codes)):
+        if pair is not None:
+            out[f"{side}_codes"], out[f"{side}_scales"] = pair
+    return out
 
 
-def rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, r: int, shard=ONE_DEVICE):
+def rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, r: int, shard=ONE_DEVICE, with_codes=False):
     """(masked scores [B, S, W] wide, top-k [B, S, k_eff]) of the rows of `inputs` against the
-    keys `keys_wide` [B, W, DI] (wide) and their `blocks` (scoring.key_blocks), `r` rows a block.
+    keys `keys_wide` [B, W, DI] (wide) and their `blocks` (scoring.key_blocks), `r` rows a block;
+    with `with_codes`, then the rows' query (codes, scales) (None without quantization).
     jax_impl.sharded calls it with a device's rows, every block's keys and its `shard`."""
     seq_len = inputs["position_ids"].shape[1]
 
     def body(_, start):
-        masked, _, topk, _ = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name, shard)
-        return None, (masked, topk)
+        masked, _, topk, _, codes = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name,
+                                                  shard, with_codes=True)
+        return None, (masked, topk, codes if with_codes else None)
 
-    masked, topk = _over_blocks(body, seq_len, r)
-    return _unblock(masked, seq_len), _unblock(topk, seq_len)
+    masked, topk, codes = _over_blocks(body, seq_len, r)
+    out = _unblock(masked, seq_len), _unblock(topk, seq_len)
+    if not with_codes:
+        return out
+    return (*out, None if codes is None else tuple(_unblock(a, seq_len) for a in codes))
 
 
 def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
@@ -185,7 +200,7 @@ def loss(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     seq_len = inputs["position_ids"].shape[1]
     if cfg.num_blocks(seq_len) == 0:
         return jnp.zeros((), wide)
-    _, keys_wide, blocks = _setup(params, inputs, cfg, dtype_name)
+    _, keys_wide, blocks, _ = _setup(params, inputs, cfg, dtype_name)
     return rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, block_rows(cfg, seq_len))
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from .pooling import block_positions
 from .kernels import contribution as pallas_contribution
 from .precision import project
-from .quant import fake_quantize
+from .quant import quantize_for_scoring
 from .rope import apply_rope
 
 
@@ -69,18 +69,25 @@ def queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
 
 
 def scoring_queries(q, cfg, wide):
-    """What the scores consume of the queries q [B, S, c, DI] (compute dtype, after RoPE): q
-    itself, or with `cfg.index_quant` its rotated, quantized q_hat (wide, straight-through
-    gradient; SPEC section 7a). Each head of each row on its own, so any split of the heads
-    or rows computes the same values."""
-    return q if cfg.index_quant is None else fake_quantize(q, cfg.index_quant, wide)
+    """What the scores consume of the queries q [B, S, c, DI] (compute dtype, after RoPE), and
+    their (codes, scales): q itself and None, or with `cfg.index_quant` its rotated, quantized
+    q_hat (wide, straight-through gradient; SPEC section 7a) and the codes and scales it was
+    made of. Each head of each row on its own, so any split of the heads or rows computes the
+    same values."""
+    if cfg.index_quant is None:
+        return q, None
+    q_hat, codes, scales = quantize_for_scoring(q, cfg.index_quant, wide)
+    return q_hat, (codes, scales)
 
 
 def scoring_keys(keys, cfg, wide):
-    """What the scores consume of the compressed keys [B, W, DI] (compute dtype, after RoPE):
-    the keys, or their rotated, quantized K_hat (wide) as for the queries. Each block on its
-    own, so a device may quantize its own blocks before they are gathered."""
-    return keys if cfg.index_quant is None else fake_quantize(keys, cfg.index_quant, wide)
+    """What the scores consume of the compressed keys [B, W, DI] (compute dtype, after RoPE),
+    and their (codes, scales): as `scoring_queries`. Each block on its own, so a device may
+    quantize its own blocks before they are gathered."""
+    if cfg.index_quant is None:
+        return keys, None
+    k_hat, codes, scales = quantize_for_scoring(keys, cfg.index_quant, wide)
+    return k_hat, (codes, scales)
 
 
 def head_contribution_autodiff(q, keys, hw):
@@ -128,8 +135,10 @@ head_contribution = _head_contribution
 CONTRIBUTIONS = {"custom": _head_contribution, "autodiff": head_contribution_autodiff}
 
 
-def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "custom"):
-    """Unmasked scores [B, S, W] in the wide dtype.
+def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "custom", with_codes: bool = False):
+    """Unmasked scores [B, S, W] in the wide dtype; with `with_codes` (and `cfg.index_quant`)
+    also the queries' (codes [B, S, HI, DI], scales [B, S, HI, DI / block]) the scores consumed,
+    chunk by chunk as the scan made them.
 
     q_latent and wq_b are in the compute dtype, keys as `scoring_keys` returns them (compute
     dtype or widened; wide x_hat with `cfg.index_quant`); hw [B, S, HI] is wide. The queries
@@ -149,23 +158,27 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
         def widen(a):
             return a.astype(wide)
 
+    codes = None
     if chunk == 0:
-        q = scoring_queries(queries(q_latent, wq_b, position_ids, heads, cfg, wide), cfg, wide)
+        q, codes = scoring_queries(queries(q_latent, wq_b, position_ids, heads, cfg, wide), cfg, wide)
         acc = _head_contribution(widen(q), keys_wide, hw)
     else:
 
         @jax.checkpoint
         def body(acc, i):
             wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * di), chunk * di, axis=1)
-            q = scoring_queries(queries(q_latent, wq, position_ids, chunk, cfg, wide), cfg, wide)
+            q, codes = scoring_queries(queries(q_latent, wq, position_ids, chunk, cfg, wide), cfg, wide)
             hw_c = jax.lax.dynamic_slice_in_dim(hw, i * chunk, chunk, axis=2)
-            return acc + _head_contribution(widen(q), keys_wide, hw_c), None
+            return acc + _head_contribution(widen(q), keys_wide, hw_c), codes if with_codes else None
 
         # Zeros [B, S, W] typed like the body's output: under shard_map a scan's carry must
         # vary over the same mesh axes going in and coming out (jax_impl.sharded); a plain 0.
         acc0 = jnp.zeros_like(hw[..., :1] * keys_wide[:, None, :, 0])
-        acc, _ = jax.lax.scan(body, acc0, jnp.arange(heads // chunk))
-    return acc * (di**-0.5)
+        acc, codes = jax.lax.scan(body, acc0, jnp.arange(heads // chunk))
+        if codes is not None:  # [HI / c, B, S, c, ...] per chunk -> [B, S, HI, ...]
+            codes = tuple(jnp.moveaxis(a, 0, 2).reshape(*a.shape[1:3], heads, a.shape[-1]) for a in codes)
+    scores = acc * (di**-0.5)
+    return (scores, codes) if with_codes else scores
 
 
 def mask_scores(scores, valid):

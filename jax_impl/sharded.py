@@ -280,7 +280,7 @@ def _device_keys(params, inputs, cfg, dtype_name, lay: Layout):
     halo = _pool_halo(lay) if lay.p > 1 else None
     keys = compress_keys(x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"],
                          cfg, wide, halo)
-    keys_wide = scoring_keys(keys, cfg, wide).astype(wide)  # each block quantized on its own device
+    keys_wide = scoring_keys(keys, cfg, wide)[0].astype(wide)  # each block quantized on its own device
     blocks = key_blocks(pos, seg, cfg, x.shape[1])
     if lay.p > 1:
         with jax.named_scope("keys_gather"):

@@ -344,15 +344,24 @@ def _teacher(leaves, cfg, dtype_t, wide) -> dict:
 def indexer_forward(params: Mapping[str, Any], inputs: Mapping[str, Any], cfg: CSAConfig,
                     dtype: str) -> dict[str, torch.Tensor]:
     """compressed_keys [B,W,DI] (dtype), index_scores [B,S,W] (wide, -inf invalid),
-    topk_indices [B,S,k_eff] (int64, -1 invalid)."""
+    topk_indices [B,S,k_eff] (int64, -1 invalid); with index_quant also the codes the scores
+    consumed (query_codes [B,S,HI,DI], key_codes [B,W,DI]: bit patterns, uint8) and their
+    scales (query_scales [B,S,HI,DI/block], key_scales [B,W,DI/block]: float32)."""
     with torch.no_grad():
         p, leaves, pos, seg, dtype_t, wide = _prepare(params, inputs, cfg, dtype, teacher=False)
         x = leaves["hidden_states"].to(dtype_t).detach()
         ql = leaves["q_latent"].to(dtype_t).detach()
-        K, raw, valid = scores_and_keys(p, x, ql, pos, seg, cfg, dtype_t, wide)
+        parts = indexer_parts(p, x, ql, pos, seg, cfg, dtype_t, wide)
+        raw, valid = parts["scores"], parts["valid"]
         scores = torch.where(valid, raw, torch.full_like(raw, float("-inf")))
         topk = topk_indices(scores, valid, cfg.index_topk)
-    return {"compressed_keys": K, "index_scores": scores, "topk_indices": topk}
+        out = {"compressed_keys": parts["keys"], "index_scores": scores, "topk_indices": topk}
+        if cfg.index_quant is not None:
+            for side, value in (("query", parts["queries"]), ("key", parts["keys"])):
+                rotated = quant.rotate(value, cfg.index_quant, dtype_t, wide).to(wide)
+                _, _, codes, scales = quant.quantize(rotated, cfg.index_quant, wide)
+                out[f"{side}_codes"], out[f"{side}_scales"] = codes.to(torch.uint8), scales.to(torch.float32)
+    return out
 
 
 def _loss(p, leaves, pos, seg, cfg, dtype_t, wide, selection):
