@@ -610,9 +610,9 @@ CATALOGUE: tuple[Mutant, ...] = (
              killing_test="tests/test_random_configs.py::test_pinned_problem[quant_e2m1_rotated]")
       for name, module, old, new, mistake, more in (
         ("quant_keys_unrotated", "scoring.py",
-         "    k_hat, codes, scales = quantize_for_scoring(keys, cfg.index_quant, wide)\n",
+         "    k_hat, codes, scales = quantize_for_scoring(keys, cfg.index_quant, wide, imposed)\n",
          "    k_hat, codes, scales = quantize_for_scoring(\n"
-         "        keys, type(cfg.index_quant)(cfg.index_quant.format, cfg.index_quant.block, False), wide)\n",
+         "        keys, type(cfg.index_quant)(cfg.index_quant.format, cfg.index_quant.block, False), wide, imposed)\n",
          "the queries rotated, the keys not (a fused key kernel that skips the Hadamard)", ()),
         ("quant_rotation_unscaled", "quant.py",
          "h) * (di**-0.5), x.dtype)", "h), x.dtype)",

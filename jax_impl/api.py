@@ -28,7 +28,8 @@ from .pooling import compress_keys, compress_parts
 from .precision import round_to
 from . import kernels, query_blocks
 from .scoring import queries, scoring_keys, scoring_queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
-from .validate import FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_inputs, check_params, check_selection, teacher_input_names
+from .validate import (FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_codes, check_inputs, check_params, check_selection,
+                       teacher_input_names)
 
 
 def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=None, prepare_keys=None,
@@ -50,15 +51,24 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    k_in, key_codes = scoring_keys(keys, cfg, wide)
+    imposed_queries, imposed_keys = imposed_codes(inputs)
+    k_in, key_codes = scoring_keys(keys, cfg, wide, imposed_keys)
     k_in = k_in if prepare_keys is None else prepare_keys(k_in)
     scores, query_codes = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, k_in, score_cfg or cfg, wide,
-                                     with_codes=True)
+                                     with_codes=True, query_codes=imposed_queries)
     if reduce_scores is not None:
         scores = reduce_scores(scores)
     valid = block_validity(pos, seg, cfg, x.shape[1])
     masked = mask_scores(scores, valid)
     return keys, masked, valid, topk_indices(masked, valid, cfg.index_topk), codes_dict(query_codes, key_codes)
+
+
+def imposed_codes(inputs):
+    """(the queries' (codes, scales), the keys' (codes, scales)) that `inputs` carries to be
+    scored instead of the indexer's own (the entry points' `codes=`), or (None, None)."""
+    if "query_codes" not in inputs:
+        return None, None
+    return (inputs["query_codes"], inputs["query_scales"]), (inputs["key_codes"], inputs["key_scales"])
 
 
 def codes_dict(query_codes, key_codes) -> dict:
@@ -109,11 +119,13 @@ def _as_jax(value, dtype=None):
     return jnp.asarray(value, dtype)
 
 
-def prepare_arguments(params, inputs, cfg: CSAConfig, dtype: str, selection=None, teacher: bool = True):
+def prepare_arguments(params, inputs, cfg: CSAConfig, dtype: str, selection=None, teacher: bool = True,
+                      codes=None):
     """Check the structure of the arguments (trace-safe: shapes and dtypes only) and hand
     back what the jitted programs take: (params widened to the wide dtype, the float inputs
     as given, the int inputs as int32, the selection as int32 or None). `teacher=False`:
-    the forward, which needs no teacher inputs (they are then left out)."""
+    the forward, which needs no teacher inputs (they are then left out). `codes` (imposed
+    codes and scales, `check_codes`) travel with the int inputs, which nothing differentiates."""
     if not isinstance(cfg, CSAConfig):
         raise TypeError(f"cfg must be a jax_impl.CSAConfig, got {type(cfg).__name__}")
     _, wide = resolve_dtype(dtype)
@@ -125,30 +137,39 @@ def prepare_arguments(params, inputs, cfg: CSAConfig, dtype: str, selection=None
     wide_params = {k: _as_jax(params[k]).astype(wide) for k in PARAM_NAMES}
     float_inputs = {k: _as_jax(arrays[k]) for k in FLOAT_INPUTS if k in arrays}
     int_inputs = {k: _as_jax(arrays[k], jnp.int32) for k in INT_INPUTS}
+    if codes is not None:
+        b, s = arrays["position_ids"].shape
+        int_inputs.update({k: _as_jax(v, jnp.uint8 if k.endswith("_codes") else jnp.float32)
+                           for k, v in check_codes(codes, cfg, b, s).items()})
     return wide_params, float_inputs, int_inputs, selection
 
 
-def indexer_forward(params, inputs, cfg: CSAConfig, dtype: str):
-    """Compressed keys [B,W,DI], masked scores [B,S,W] (wide) and top-k indices [B,S,k_eff].
+def indexer_forward(params, inputs, cfg: CSAConfig, dtype: str, codes=None):
+    """Compressed keys [B,W,DI], masked scores [B,S,W] (wide) and top-k indices [B,S,k_eff];
+    with `cfg.index_quant`, the codes and scales the scores consumed (`codes_dict`).
 
-    Needs only the indexer's inputs (hidden_states, q_latent, position_ids, segment_ids)."""
-    wide_params, float_inputs, int_inputs, _ = prepare_arguments(params, inputs, cfg, dtype, teacher=False)
+    Needs only the indexer's inputs (hidden_states, q_latent, position_ids, segment_ids).
+    `codes` (with `cfg.index_quant`): the four arrays of `codes_dict`, e.g. another run's, to
+    score instead of the indexer's own (SPEC section 10's common codes); every entry point
+    takes them."""
+    wide_params, float_inputs, int_inputs, _ = prepare_arguments(params, inputs, cfg, dtype, teacher=False,
+                                                                 codes=codes)
     return _forward_jit(wide_params, {**float_inputs, **int_inputs}, cfg, dtype)
 
 
-def indexer_loss(params, inputs, cfg: CSAConfig, dtype: str, selection=None):
+def indexer_loss(params, inputs, cfg: CSAConfig, dtype: str, selection=None, codes=None):
     """The scalar KL loss (wide dtype); `selection` replaces the own top-k in sparse mode.
 
     Differentiable with respect to `params` from outside (`jax.grad(indexer_loss)`): the
     parameters are widened inside, so their gradients come back in the parameters' dtype."""
-    args = prepare_arguments(params, inputs, cfg, dtype, selection)
+    args = prepare_arguments(params, inputs, cfg, dtype, selection, codes=codes)
     return _loss_jit(*args, cfg, dtype)
 
 
-def indexer_loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection=None):
+def indexer_loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection=None, codes=None):
     """(loss, gradients of the six parameters, gradients of the four float inputs), the
     parameter gradients in the wide dtype (differentiated with respect to the widened copy)."""
-    args = prepare_arguments(params, inputs, cfg, dtype, selection)
+    args = prepare_arguments(params, inputs, cfg, dtype, selection, codes=codes)
     return _loss_and_grads_jit(*args, cfg, dtype)
 
 
@@ -190,13 +211,14 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     return out
 
 
-def indexer_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, selection):
+def indexer_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, selection, codes=None):
     """Everything the parity matrix asks of one (config, dtype), in ONE compiled program:
     {"forward": indexer_forward's dict, "dense" | "sparse" | "sparse_at_selection":
     (loss, param_grads, input_grads)}, the last with `selection` imposed. `cfg.sparse_loss`
     is ignored (all modes are computed). An optional extension of the protocol
-    (docs/plugins.md): it exists to compile once instead of four times per matrix point."""
-    args = prepare_arguments(params, inputs, cfg, dtype, selection)
+    (docs/plugins.md): it exists to compile once instead of four times per matrix point.
+    `codes`: imposed codes and scales, as in `indexer_forward`."""
+    args = prepare_arguments(params, inputs, cfg, dtype, selection, codes=codes)
     return _bundle_jit(*args, cfg, dtype)
 
 

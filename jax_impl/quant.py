@@ -116,6 +116,18 @@ def encode(c, fmt: Format):
     return (sign + field.astype(jnp.int32) * 2**fmt.mantissa_bits + mant).astype(jnp.uint8)
 
 
+def decode(codes, fmt: Format, wide):
+    """Bit patterns (uint8, as `encode` writes them) -> the format's values, wide."""
+    c = codes.astype(jnp.int32)
+    sign = 2 ** (fmt.exponent_bits + fmt.mantissa_bits)
+    field, mant = (c % sign) // 2**fmt.mantissa_bits, c % 2**fmt.mantissa_bits
+    one = jnp.ones(c.shape, wide)
+    subnormal = jnp.ldexp(mant.astype(wide), jnp.full(c.shape, fmt.min_exponent - fmt.mantissa_bits))
+    normal = jnp.ldexp(one + jnp.ldexp(mant.astype(wide), jnp.full(c.shape, -fmt.mantissa_bits)),
+                       field - 1 + fmt.min_exponent)
+    return jnp.where(c >= sign, -one, one) * jnp.where(field == 0, subnormal, normal)
+
+
 def quantize_parts(x, quant, wide):
     """Rotated x [..., DI] (compute dtype) -> (x_hat wide, codes as format values wide, scales
     [..., DI / block] wide). No gradient: `fake_quantize` carries the straight-through one."""
@@ -127,16 +139,26 @@ def quantize_parts(x, quant, wide):
     return codes * per_channel, codes, scales
 
 
-def quantize_for_scoring(x, quant, wide):
+def quantize_for_scoring(x, quant, wide, imposed=None):
     """x [..., DI] in the compute dtype, after RoPE -> (the rotated and quantized values the
     indexer scores, wide, with the straight-through gradient (SPEC section 7a steps 1-5); their
     codes, uint8 [..., DI]; their scales, float32 [..., DI / block]). What a caller does not use,
-    XLA does not compute."""
+    XLA does not compute.
+
+    `imposed` = (codes, scales) of x's shape: score those instead of x's own (another run's
+    codes, e.g. the float64 oracle's, SPEC section 10's common codes); the gradient still
+    passes straight through x's own rotation."""
     rotated = rotate(x, quant, wide)
-    x_hat, codes, scales = quantize_parts(rotated, quant, wide)
+    fmt = FORMATS[quant.format]
+    if imposed is None:
+        x_hat, codes, scales = quantize_parts(rotated, quant, wide)
+        codes, scales = encode(codes, fmt), scales.astype(jnp.float32)
+    else:
+        codes, scales = imposed
+        x_hat = decode(codes, fmt, wide) * jnp.repeat(scales.astype(wide), quant.block, axis=-1)
     xw = rotated.astype(wide)
     scored = jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))
-    return scored, encode(codes, FORMATS[quant.format]), scales.astype(jnp.float32)
+    return scored, codes, scales
 
 
 def fake_quantize(x, quant, wide):

@@ -116,7 +116,8 @@ def _setup(params, inputs, cfg, dtype_name):
     keys = compress_keys(
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
-    k_in, key_codes = scoring_keys(keys, cfg, wide)
+    imposed = (inputs["key_codes"], inputs["key_scales"]) if "key_codes" in inputs else None
+    k_in, key_codes = scoring_keys(keys, cfg, wide, imposed)
     return keys, k_in.astype(wide), key_blocks(pos, seg, cfg, x.shape[1]), key_codes
 
 
@@ -134,8 +135,10 @@ def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard
     pos = _take_rows(inputs["position_ids"], rows)
     seg = _take_rows(inputs["segment_ids"], rows)
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
+    imposed = None if "query_codes" not in inputs else tuple(
+        _take_rows(inputs[name], rows) for name in ("query_codes", "query_scales"))
     scores, codes = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, shard.score_cfg or cfg, wide,
-                               with_codes=True)
+                               with_codes=True, query_codes=imposed)
     scores = _apply(shard.sum_heads, scores)
     valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None]
     masked = mask_scores(scores, valid)

@@ -68,25 +68,25 @@ def queries(q_latent, wq, position_ids, n_heads: int, cfg, wide):
     return apply_rope(q, position_ids[:, :, None], cfg.rope_head_dim, cfg.rope_theta, wide, cfg.rope_scaling)
 
 
-def scoring_queries(q, cfg, wide):
+def scoring_queries(q, cfg, wide, imposed=None):
     """What the scores consume of the queries q [B, S, c, DI] (compute dtype, after RoPE), and
     their (codes, scales): q itself and None, or with `cfg.index_quant` its rotated, quantized
     q_hat (wide, straight-through gradient; SPEC section 7a) and the codes and scales it was
     made of. Each head of each row on its own, so any split of the heads or rows computes the
-    same values."""
+    same values. `imposed`: (codes, scales) to score instead of q's own (`quantize_for_scoring`)."""
     if cfg.index_quant is None:
         return q, None
-    q_hat, codes, scales = quantize_for_scoring(q, cfg.index_quant, wide)
+    q_hat, codes, scales = quantize_for_scoring(q, cfg.index_quant, wide, imposed)
     return q_hat, (codes, scales)
 
 
-def scoring_keys(keys, cfg, wide):
+def scoring_keys(keys, cfg, wide, imposed=None):
     """What the scores consume of the compressed keys [B, W, DI] (compute dtype, after RoPE),
     and their (codes, scales): as `scoring_queries`. Each block on its own, so a device may
     quantize its own blocks before they are gathered."""
     if cfg.index_quant is None:
         return keys, None
-    k_hat, codes, scales = quantize_for_scoring(keys, cfg.index_quant, wide)
+    k_hat, codes, scales = quantize_for_scoring(keys, cfg.index_quant, wide, imposed)
     return k_hat, (codes, scales)
 
 
@@ -135,10 +135,12 @@ head_contribution = _head_contribution
 CONTRIBUTIONS = {"custom": _head_contribution, "autodiff": head_contribution_autodiff}
 
 
-def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "custom", with_codes: bool = False):
+def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "custom", with_codes: bool = False,
+               query_codes=None):
     """Unmasked scores [B, S, W] in the wide dtype; with `with_codes` (and `cfg.index_quant`)
     also the queries' (codes [B, S, HI, DI], scales [B, S, HI, DI / block]) the scores consumed,
-    chunk by chunk as the scan made them.
+    chunk by chunk as the scan made them. `query_codes`: such a pair to score instead of the
+    queries' own (each chunk takes its heads' slice).
 
     q_latent and wq_b are in the compute dtype, keys as `scoring_keys` returns them (compute
     dtype or widened; wide x_hat with `cfg.index_quant`); hw [B, S, HI] is wide. The queries
@@ -160,14 +162,16 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
 
     codes = None
     if chunk == 0:
-        q, codes = scoring_queries(queries(q_latent, wq_b, position_ids, heads, cfg, wide), cfg, wide)
+        q, codes = scoring_queries(queries(q_latent, wq_b, position_ids, heads, cfg, wide), cfg, wide, query_codes)
         acc = _head_contribution(widen(q), keys_wide, hw)
     else:
 
         @jax.checkpoint
         def body(acc, i):
             wq = jax.lax.dynamic_slice_in_dim(wq_b, i * (chunk * di), chunk * di, axis=1)
-            q, codes = scoring_queries(queries(q_latent, wq, position_ids, chunk, cfg, wide), cfg, wide)
+            imposed = None if query_codes is None else tuple(
+                jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=2) for a in query_codes)
+            q, codes = scoring_queries(queries(q_latent, wq, position_ids, chunk, cfg, wide), cfg, wide, imposed)
             hw_c = jax.lax.dynamic_slice_in_dim(hw, i * chunk, chunk, axis=2)
             return acc + _head_contribution(widen(q), keys_wide, hw_c), codes if with_codes else None
 

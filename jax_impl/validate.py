@@ -160,6 +160,44 @@ def check_selection(selection, cfg, batch: int, seq: int):
     return sel
 
 
+# The quantizer's outputs (SPEC section 7a) under their public names, as indexer_forward returns
+# them and as the entry points take them back (`codes=`: score these instead of their own).
+CODE_NAMES = ("query_codes", "query_scales", "key_codes", "key_scales")
+
+
+def code_shapes(cfg, batch: int, seq: int) -> dict:
+    """name -> (expected shape, dims in words) of the codes and scales of a problem."""
+    hi, di, w = cfg.index_n_heads, cfg.index_head_dim, cfg.num_blocks(seq)
+    nb = di // cfg.index_quant.block
+    return {"query_codes": ((batch, seq, hi, di), "[B, S, HI, DI]"),
+            "query_scales": ((batch, seq, hi, nb), "[B, S, HI, DI / block]"),
+            "key_codes": ((batch, w, di), "[B, W, DI]"),
+            "key_scales": ((batch, w, nb), "[B, W, DI / block]")}
+
+
+def check_codes(codes, cfg, batch: int, seq: int) -> dict:
+    """Names, shapes and dtypes of imposed codes and scales (uint8 codes, floating scales), as
+    indexer_forward returns them. Trace-safe."""
+    if cfg.index_quant is None:
+        raise ValueError("codes were given, but index_quant is null: only a quantizing indexer scores codes")
+    if not hasattr(codes, "keys"):
+        raise ValueError(f"codes must be a dict of {', '.join(CODE_NAMES)}, got {type(codes).__name__}")
+    names = set(codes)
+    if names != set(CODE_NAMES):
+        raise ValueError(f"codes has {', '.join(sorted(names)) or 'nothing'}; expected exactly "
+                         f"{', '.join(CODE_NAMES)}")
+    out = {}
+    for name, (shape, dims) in code_shapes(cfg, batch, seq).items():
+        arr = as_array("codes", name, codes[name])
+        ok = jnp.dtype(arr.dtype) == jnp.uint8 if name.endswith("_codes") else jnp.issubdtype(arr.dtype, jnp.floating)
+        if tuple(arr.shape) != shape or not ok:
+            kind = "uint8" if name.endswith("_codes") else "floating"
+            raise ValueError(f"codes[{name!r}] has shape {tuple(arr.shape)} and dtype {np.dtype(arr.dtype)}; "
+                             f"expected {kind} {dims} = {list(shape)}")
+        out[name] = arr
+    return out
+
+
 # --------------------------------------------------------------------------- values (host side)
 
 

@@ -132,3 +132,92 @@ def test_the_rotation_is_orthogonal_and_the_same_on_both_sides(dtype):
     np.testing.assert_allclose(np.linalg.norm(rj, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-2)
     ulp = {"float64": 1e-15, "float32": 1e-6, "bfloat16": 1e-2, "float16": 1e-3}[dtype]
     np.testing.assert_allclose(rj, rt, rtol=0, atol=ulp * np.abs(rt).max())
+
+
+# --------------------------------------------------------------------------- imposed codes
+# SPEC section 10 judges what follows the codes on common codes: an implementation handed
+# another run's codes and scales (`codes=`) scores those in place of its own.
+
+def _problem(quant=None, **knobs):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from problems import SMALL, random_problem
+
+    cfg = dict(SMALL, index_topk=3, sparse_loss=True, index_quant=quant or {"format": "e2m1", "block": 8,
+                                                                          "hadamard": True}, **knobs)
+    params, inputs = random_problem(cfg, batch=2, seq=20, seed=5)
+    return cfg, params, inputs
+
+
+CODES = ("query_codes", "query_scales", "key_codes", "key_scales")
+
+
+def _jax_run(cfg, params, inputs, dtype, codes=None):
+    import jax_impl
+
+    c = jax_impl.CSAConfig(**cfg)
+    fwd = jax_impl.indexer_forward(params, inputs, c, dtype, codes=codes)
+    loss, grads, _ = jax_impl.indexer_loss_and_grads(params, inputs, c, dtype, codes=codes)
+    return {**{k: np.asarray(v) for k, v in fwd.items()}, "loss": np.asarray(loss),
+            **{f"grad.{k}": np.asarray(v) for k, v in grads.items()}}
+
+
+def _torch_run(cfg, params, inputs, dtype, codes=None):
+    import torch_ref
+
+    c = torch_ref.CSAConfig(**cfg)
+    fwd = torch_ref.indexer_forward(params, inputs, c, dtype, codes=codes)
+    loss, grads, _ = torch_ref.indexer_loss_and_grads(params, inputs, c, dtype, codes=codes)
+    out = {k: (v.float() if v.dtype == torch.bfloat16 else v).detach().numpy() for k, v in fwd.items()}
+    return {**out, "loss": loss.detach().numpy(), **{f"grad.{k}": v.numpy() for k, v in grads.items()}}
+
+
+@pytest.mark.parametrize("knobs", [{}, {"indexer_head_chunk": 2, "query_chunk": 7}], ids=["native", "chunked"])
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_imposing_a_runs_own_codes_changes_nothing(dtype, knobs):
+    cfg, params, inputs = _problem(**knobs)
+    for run in (_jax_run, _torch_run):
+        own = run(cfg, params, inputs, dtype)
+        again = run(cfg, params, inputs, dtype, codes={k: own[k] for k in CODES})
+        for name in own:
+            assert np.array_equal(own[name], again[name]), f"{run.__name__} {dtype} {name}"
+
+
+def test_both_sides_handed_the_same_foreign_codes_agree_in_float64():
+    """Codes from a float16 run (which differ from the float64 ones) imposed on both float64
+    sides: their scores, top-k, loss and gradients agree at 1e-12, and differ from their own."""
+    cfg, params, inputs = _problem()
+    foreign = {k: v for k, v in _jax_run(cfg, params, inputs, "float16").items() if k in CODES}
+    own = _jax_run(cfg, params, inputs, "float64")
+    assert any(not np.array_equal(own[k], foreign[k]) for k in CODES), "the float16 codes are the float64 ones"
+    j, t = _jax_run(cfg, params, inputs, "float64", foreign), _torch_run(cfg, params, inputs, "float64", foreign)
+    finite = np.isfinite(t["index_scores"])
+    assert np.array_equal(finite, np.isfinite(j["index_scores"]))
+    scale = np.abs(t["index_scores"][finite]).max()
+    assert np.abs(j["index_scores"][finite] - t["index_scores"][finite]).max() <= 1e-12 * scale
+    assert not np.allclose(j["index_scores"][finite], own["index_scores"][finite], rtol=1e-9, atol=0)
+    for name in [n for n in j if n.startswith("grad.")] + ["loss"]:
+        np.testing.assert_allclose(j[name], t[name], rtol=0, atol=1e-12 * max(np.abs(t[name]).max(), 1e-300))
+    for k in CODES:
+        assert np.array_equal(j[k], foreign[k]) and np.array_equal(t[k], foreign[k]), k
+
+
+@pytest.mark.parametrize("side", ["jax_impl", "torch_ref"])
+def test_bad_imposed_codes_are_one_line_naming_the_array(side):
+    import importlib
+
+    api = importlib.import_module(side)
+    cfg, params, inputs = _problem()
+    good = {k: v for k, v in _jax_run(cfg, params, inputs, "float32").items() if k in CODES}
+    c = api.CSAConfig(**cfg)
+    with pytest.raises(ValueError, match=r"codes has key_codes, query_codes, query_scales; expected exactly"):
+        api.indexer_forward(params, inputs, c, "float32", codes={k: good[k] for k in CODES[:3]})
+    bad = {**good, "key_codes": good["key_codes"].astype(np.int32)}
+    with pytest.raises(ValueError, match=r"codes\['key_codes'\] has shape \(2, 5, 32\) and dtype int32; "
+                                         r"expected uint8 \[B, W, DI\] = \[2, 5, 32\]"):
+        api.indexer_forward(params, inputs, c, "float32", codes=bad)
+    plain = api.CSAConfig(**{**cfg, "index_quant": None})
+    with pytest.raises(ValueError, match="codes were given, but index_quant is null"):
+        api.indexer_forward(params, inputs, plain, "float32", codes=good)

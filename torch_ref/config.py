@@ -306,6 +306,35 @@ def validate_params(params: Mapping[str, Any], cfg: CSAConfig) -> None:
         _check_float(f"params[{name!r}]", t)
 
 
+CODE_NAMES = ("query_codes", "query_scales", "key_codes", "key_scales")
+
+
+def validate_codes(codes: Any, cfg: CSAConfig, B: int, S: int) -> dict[str, torch.Tensor]:
+    """Imposed codes and scales (§7a): exactly the four names, uint8 codes and floating scales
+    of the problem's shapes. Returns them as tensors."""
+    if cfg.index_quant is None:
+        raise ValueError("codes were given, but index_quant is null: only a quantizing indexer scores codes")
+    if not isinstance(codes, Mapping):
+        raise ValueError(f"codes must be a dict of {', '.join(CODE_NAMES)}, got {type(codes).__name__}")
+    if set(codes) != set(CODE_NAMES):
+        raise ValueError(f"codes has {', '.join(sorted(codes)) or 'nothing'}; expected exactly "
+                         f"{', '.join(CODE_NAMES)}")
+    HI, DI, W = cfg.index_n_heads, cfg.index_head_dim, S // cfg.compress_ratio
+    nb = DI // cfg.index_quant["block"]
+    shapes = {"query_codes": ((B, S, HI, DI), "[B, S, HI, DI]"), "query_scales": ((B, S, HI, nb), "[B, S, HI, DI / block]"),
+              "key_codes": ((B, W, DI), "[B, W, DI]"), "key_scales": ((B, W, nb), "[B, W, DI / block]")}
+    out = {}
+    for name, (shape, dims) in shapes.items():
+        t = _as_tensor(codes[name])
+        ok = t.dtype == torch.uint8 if name.endswith("_codes") else t.is_floating_point()
+        if tuple(t.shape) != shape or not ok:
+            kind = "uint8" if name.endswith("_codes") else "floating"
+            raise ValueError(f"codes[{name!r}] has shape {tuple(t.shape)} and dtype {_dtype_name(t)}; "
+                             f"expected {kind} {dims} = {list(shape)}")
+        out[name] = t
+    return out
+
+
 def validate_selection(selection: Any, B: int, S: int, k_eff: int, W: int) -> None:
     """A sparse-loss selection: integer [B, S, k_eff], values in [-1, W)."""
     t = _as_tensor(selection)

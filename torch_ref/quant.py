@@ -84,8 +84,21 @@ def quantize(rotated: torch.Tensor, quant: dict, wide):
     return x_hat, values.reshape(x.shape), codes.reshape(x.shape), scales
 
 
-def fake_quantize(x: torch.Tensor, quant: dict, dtype, wide) -> torch.Tensor:
-    """x [..., DI] (dtype, after RoPE) -> x_hat (wide) with the straight-through gradient."""
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, quant: dict, wide) -> torch.Tensor:
+    """Bit patterns [..., DI] and block scales [..., DI / block] -> code * scale, wide: the table
+    entry of the code's magnitude bits, negated where its sign bit is set."""
+    _, mbits, _, _, _ = FORMATS[quant["format"]]
+    sign_bit = 1 << (mbits + (2 if quant["format"] == "e2m1" else 4))
+    codes = torch.as_tensor(codes).to(torch.int64)
+    mag = format_values(quant["format"], wide)[codes % sign_bit]
+    values = torch.where(codes >= sign_bit, -mag, mag)
+    return values * torch.repeat_interleave(torch.as_tensor(scales).to(wide), quant["block"], dim=-1)
+
+
+def fake_quantize(x: torch.Tensor, quant: dict, dtype, wide, imposed=None) -> torch.Tensor:
+    """x [..., DI] (dtype, after RoPE) -> x_hat (wide) with the straight-through gradient.
+    `imposed` = (codes, scales) of x's shape: score those instead of x's own (another run's
+    codes); the gradient still passes straight through x's own rotation."""
     rotated = rotate(x, quant, dtype, wide).to(wide)
-    x_hat = quantize(rotated, quant, wide)[0]
+    x_hat = quantize(rotated, quant, wide)[0] if imposed is None else dequantize(*imposed, quant, wide)
     return x_hat.detach() + (rotated - rotated.detach())

@@ -30,6 +30,7 @@ from .config import (
     resolve_dtype,
     used_joint_inputs,
     validate_inputs,
+    validate_codes,
     validate_params,
     validate_selection,
 )
@@ -187,15 +188,16 @@ def score_stage(q: torch.Tensor, K: torch.Tensor, w: torch.Tensor) -> torch.Tens
     return torch.sum(w[..., None] * torch.relu(dots) * q.shape[-1] ** -0.5, dim=2)  # [B, S, W]
 
 
-def scoring_values(x: torch.Tensor, cfg: CSAConfig, dtype, wide) -> torch.Tensor:
+def scoring_values(x: torch.Tensor, cfg: CSAConfig, dtype, wide, imposed=None) -> torch.Tensor:
     """What the scores consume of queries or keys x [..., DI] (dtype, after RoPE), wide: x, or
-    with index_quant its rotated, quantized x_hat (§7a; straight-through gradient)."""
+    with index_quant its rotated, quantized x_hat (§7a; straight-through gradient), or the
+    `imposed` (codes, scales) dequantized in its place."""
     if cfg.index_quant is None:
         return x.to(wide)
-    return quant.fake_quantize(x, cfg.index_quant, dtype, wide)
+    return quant.fake_quantize(x, cfg.index_quant, dtype, wide, imposed)
 
 
-def indexer_parts(p, x, q_latent, pos, seg, cfg: CSAConfig, dtype, wide) -> dict:
+def indexer_parts(p, x, q_latent, pos, seg, cfg: CSAConfig, dtype, wide, codes=None) -> dict:
     """Every forward stage of the indexer: pooled (before the norm, wide), keys (dtype),
     queries (after RoPE, dtype), head_weights (wide), scores (raw, wide), valid (bool)."""
     B, S, _ = x.shape
@@ -204,14 +206,17 @@ def indexer_parts(p, x, q_latent, pos, seg, cfg: CSAConfig, dtype, wide) -> dict
     q = (q_latent @ p["indexer.wq_b"].to(dtype)).reshape(B, S, HI, DI)
     q = rope(q, pos[:, :, None], cfg, dtype, wide)
     w = (x @ p["indexer.weights_proj"].to(dtype)).to(wide) * HI ** -0.5  # [B, S, HI]
-    raw = score_stage(scoring_values(q, cfg, dtype, wide), scoring_values(K, cfg, dtype, wide), w)
+    imposed = {side: None if codes is None else (codes[f"{side}_codes"], codes[f"{side}_scales"])
+               for side in ("query", "key")}
+    raw = score_stage(scoring_values(q, cfg, dtype, wide, imposed["query"]),
+                      scoring_values(K, cfg, dtype, wide, imposed["key"]), w)
     return {"pooled": pooled, "keys": K, "queries": q, "head_weights": w, "scores": raw,
             "valid": block_validity(pos, seg, cfg)}
 
 
-def scores_and_keys(p, x, q_latent, pos, seg, cfg: CSAConfig, dtype, wide):
+def scores_and_keys(p, x, q_latent, pos, seg, cfg: CSAConfig, dtype, wide, codes=None):
     """-> (K [B,W,DI] dtype, raw score [B,S,W] wide (no mask), valid [B,S,W] bool)."""
-    parts = indexer_parts(p, x, q_latent, pos, seg, cfg, dtype, wide)
+    parts = indexer_parts(p, x, q_latent, pos, seg, cfg, dtype, wide, codes)
     return parts["keys"], parts["scores"], parts["valid"]
 
 
@@ -342,21 +347,25 @@ def _teacher(leaves, cfg, dtype_t, wide) -> dict:
 
 
 def indexer_forward(params: Mapping[str, Any], inputs: Mapping[str, Any], cfg: CSAConfig,
-                    dtype: str) -> dict[str, torch.Tensor]:
+                    dtype: str, codes=None) -> dict[str, torch.Tensor]:
     """compressed_keys [B,W,DI] (dtype), index_scores [B,S,W] (wide, -inf invalid),
     topk_indices [B,S,k_eff] (int64, -1 invalid); with index_quant also the codes the scores
     consumed (query_codes [B,S,HI,DI], key_codes [B,W,DI]: bit patterns, uint8) and their
-    scales (query_scales [B,S,HI,DI/block], key_scales [B,W,DI/block]: float32)."""
+    scales (query_scales [B,S,HI,DI/block], key_scales [B,W,DI/block]: float32). `codes`: those
+    four arrays (another run's) to score instead of its own; then they are what it returns."""
     with torch.no_grad():
         p, leaves, pos, seg, dtype_t, wide = _prepare(params, inputs, cfg, dtype, teacher=False)
         x = leaves["hidden_states"].to(dtype_t).detach()
         ql = leaves["q_latent"].to(dtype_t).detach()
-        parts = indexer_parts(p, x, ql, pos, seg, cfg, dtype_t, wide)
+        codes = _codes(codes, cfg, inputs)
+        parts = indexer_parts(p, x, ql, pos, seg, cfg, dtype_t, wide, codes)
         raw, valid = parts["scores"], parts["valid"]
         scores = torch.where(valid, raw, torch.full_like(raw, float("-inf")))
         topk = topk_indices(scores, valid, cfg.index_topk)
         out = {"compressed_keys": parts["keys"], "index_scores": scores, "topk_indices": topk}
-        if cfg.index_quant is not None:
+        if codes is not None:
+            out.update({name: torch.as_tensor(value) for name, value in codes.items()})
+        elif cfg.index_quant is not None:
             for side, value in (("query", parts["queries"]), ("key", parts["keys"])):
                 rotated = quant.rotate(value, cfg.index_quant, dtype_t, wide).to(wide)
                 _, _, codes, scales = quant.quantize(rotated, cfg.index_quant, wide)
@@ -364,11 +373,11 @@ def indexer_forward(params: Mapping[str, Any], inputs: Mapping[str, Any], cfg: C
     return out
 
 
-def _loss(p, leaves, pos, seg, cfg, dtype_t, wide, selection):
+def _loss(p, leaves, pos, seg, cfg, dtype_t, wide, selection, codes=None):
     x = leaves["hidden_states"].to(dtype_t).detach()  # the indexer's stop-gradient
     ql = leaves["q_latent"].to(dtype_t).detach()
     t = _teacher(leaves, cfg, dtype_t, wide)  # teacher: rounded, detached
-    _, raw, valid = scores_and_keys(p, x, ql, pos, seg, cfg, dtype_t, wide)
+    _, raw, valid = scores_and_keys(p, x, ql, pos, seg, cfg, dtype_t, wide, codes)
     return kl_loss(raw, valid, t["tq"], t["tkv"], cfg, wide, selection,
                    seg=seg, twkv=t["twkv"], sink=t["sink"])
 
@@ -399,20 +408,30 @@ def _selection(selection, cfg, inputs):
     return _to_long(selection)
 
 
-def indexer_loss(params, inputs, cfg: CSAConfig, dtype: str, selection=None) -> torch.Tensor:
-    """The scalar loss (wide dtype). `selection` replaces the own top-k when sparse_loss."""
+def _codes(codes, cfg, inputs):
+    """Imposed codes and scales, checked (names, shapes, dtypes), or None."""
+    if codes is None:
+        return None
+    B, S = (int(d) for d in _as_tensor(inputs["position_ids"]).shape)
+    return validate_codes(codes, cfg, B, S)
+
+
+def indexer_loss(params, inputs, cfg: CSAConfig, dtype: str, selection=None, codes=None) -> torch.Tensor:
+    """The scalar loss (wide dtype). `selection` replaces the own top-k when sparse_loss;
+    `codes` the own codes and scales (as indexer_forward's)."""
     with torch.no_grad():
         p, leaves, pos, seg, dtype_t, wide = _prepare(params, inputs, cfg, dtype, teacher=True)
         sel = _selection(selection, cfg, inputs)
-        return _loss(p, leaves, pos, seg, cfg, dtype_t, wide, sel)
+        return _loss(p, leaves, pos, seg, cfg, dtype_t, wide, sel, _codes(codes, cfg, inputs))
 
 
-def indexer_loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection=None):
+def indexer_loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection=None, codes=None):
     """-> (loss, {param: grad (wide)}, {input: grad (wide)})."""
     p, leaves, pos, seg, dtype_t, wide = _prepare(params, inputs, cfg, dtype, teacher=True)
     sel = _selection(selection, cfg, inputs)
+    codes = _codes(codes, cfg, inputs)
     with torch.enable_grad():
-        loss = _loss(p, leaves, pos, seg, cfg, dtype_t, wide, sel)
+        loss = _loss(p, leaves, pos, seg, cfg, dtype_t, wide, sel, codes)
         wrt = [p[n] for n in PARAM_NAMES] + list(leaves.values())
         if loss.requires_grad:
             grads = torch.autograd.grad(loss, wrt, allow_unused=True)
