@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time limit of one point (its implementation, reference and judging); a point "
                           "past it is an error and its worker is killed (default: CSA_PARITY_TIMEOUT or "
                           "600, over 40x the slowest point of the default matrix on a 2-core machine)")
+    run.add_argument("--cache-dir", metavar="DIR",
+                     help="where compiled programs persist between runs (default: CSA_PARITY_CACHE_DIR, else "
+                          "$XDG_CACHE_HOME/csa-parity, else ~/.cache/csa-parity; bounded, least recently used "
+                          "programs evicted first)")
+    run.add_argument("--no-cache", action="store_true",
+                     help="compile every program; read and write no persistent compilation cache")
+    run.add_argument("--profile", action="store_true",
+                     help="print where the time went: start-up, trace, lower, compile, run, reference and judge, "
+                          "summed over the points, and the slowest points' splits (parity.json has every point's)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--list", action="store_true",
                      help="print the selection (cases, dtypes, chunk points, entries, compiled programs) and "
@@ -186,10 +195,14 @@ def platform_info(precision: str, reference: str) -> dict:
 
     if interpret_mode():  # what a pallas-backend point ran
         info["pallas"] = f"Pallas interpret mode on {jax.default_backend()} (no TPU: the kernels are interpreted)"
-    if reference == "live":
-        import torch
+    if reference == "live":  # the installed version, read without importing torch here
+        from importlib.metadata import PackageNotFoundError, version
 
-        info["torch_version"] = torch.__version__
+        try:
+            info["torch_version"] = version("torch")
+        except PackageNotFoundError:
+            raise ValueError("--reference live needs torch (pip install -e '.[reference]'); without it run "
+                             "--reference goldens") from None
     return info
 
 
@@ -259,8 +272,9 @@ def selection_lines(entries, sample: str) -> list[str]:
 
 def run(args) -> int:
     from .matrix import build_matrix
-    from .report import (attach_reruns, error_lines, failure_lines, format_table, status_line, summarise, table,
-                         write_reports)
+    from .report import (attach_reruns, cache_line, error_lines, failure_lines, format_table, profile_lines,
+                         status_line, summarise, table, time_split, write_reports)
+    from .timing import cache_root
     from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
 
     _validate_run_args(args, listing=args.list)
@@ -282,6 +296,8 @@ def run(args) -> int:
     start = time.time()
     records: list[dict] = []
     walls: list[tuple[float, str]] = []
+    splits: dict[str, dict] = {}  # point label -> harness.timing.split
+    cache_dir = None if args.no_cache else cache_root(args.cache_dir)
     fixtures_dir = os.environ.get("CSA_PARITY_FIXTURES")
     timeout = args.timeout if args.timeout is not None else timeout_from_env()
     _init_worker(args.precision, fixtures_dir)
@@ -295,11 +311,16 @@ def run(args) -> int:
         "timeout_s": timeout,
     }
 
+    def cache_meta() -> dict:
+        return {"dir": cache_dir, "programs_loaded": sum(s.get("programs_loaded", 0) for s in splits.values()),
+                "programs_compiled": sum(s.get("programs_compiled", 0) for s in splits.values())}
+
     def point_meta(partial: str | None) -> dict:
         slowest = sorted(walls, reverse=True)[:5]
-        return {**meta, "wall_s": time.time() - start,
-                "points": {"total": n_points, "run": len(walls), "wall_sum_s": round(sum(w for w, _ in walls), 2),
-                           "slowest": [[label, round(w, 2)] for w, label in slowest]},
+        points = {"total": n_points, "run": len(walls), "wall_sum_s": round(sum(w for w, _ in walls), 2),
+                  "slowest": [[label, round(w, 2)] for w, label in slowest], "by_point": dict(sorted(splits.items()))}
+        points["time_split_s"] = time_split({"points": points})
+        return {**meta, "wall_s": time.time() - start, "cache": cache_meta(), "points": points,
                 "partial": None if partial is None else {"reason": partial, "points_run": len(walls),
                                                          "points_total": n_points}}
 
@@ -317,9 +338,11 @@ def run(args) -> int:
     # A failed or errored record carries the command that reruns its point with this run's options.
     rerun_timeout = None if timeout == DEFAULT_TIMEOUT else timeout
 
-    def done(point, point_entries, point_records, wall):
+    def done(point, point_entries, point_records, wall, split=None):
         records.extend(attach_reruns(point_records, args.reference, args.precision, rerun_timeout, fixtures_dir))
         walls.append((wall, point.label))
+        if split is not None:
+            splits[point.label] = split
         if progress is not None:
             progress.update(len(point_entries))
         if time.monotonic() - last_checkpoint[0] > CHECKPOINT_S:
@@ -330,7 +353,8 @@ def run(args) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         run_points(ordered, args.reference, args.precision,
-                   {"precision": args.precision, "fixtures_dir": fixtures_dir, "sys_path": list(sys.path)},
+                   {"precision": args.precision, "fixtures_dir": fixtures_dir, "sys_path": list(sys.path),
+                    "cache_root": cache_dir},
                    args.jobs, timeout, done)
     except KeyboardInterrupt:
         interrupted = "interrupted (Ctrl-C)", 130
@@ -368,6 +392,9 @@ def run(args) -> int:
         print("FAIL", line)
     for line in error_lines(summary)[:20]:  # one line per error (a crash is one line, not one per quantity)
         print("ERROR", line)
+    print(cache_line(meta))
+    if args.profile:
+        print("\n".join(profile_lines(meta)))
     slowest = meta["points"]["slowest"]
     if slowest:
         print(f"slowest point: {slowest[0][1]:.1f} s ({slowest[0][0]}); time limit {timeout:g} s per point")

@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import worker
+from . import timing, worker
 from .compare import to_numpy
 from .matrix import Point, mesh_text, seq_split_reason
 from .outputs import FORWARD_QUANTITIES, LOSS_VARIANTS, PARAM_NAMES, STAGE_INPUTS, Outputs, all_names
@@ -354,6 +354,11 @@ def reference_stage_values(problem, dtype: str) -> dict[str, np.ndarray]:
 
 @functools.lru_cache(maxsize=None)
 def _reference_stage_values(name, dtype, directory) -> dict[str, np.ndarray]:
+    with timing.section("reference"):
+        return _reference_stage_values_timed(name, dtype, directory)
+
+
+def _reference_stage_values_timed(name, dtype, directory) -> dict[str, np.ndarray]:
     import torch_ref
 
     problem = _fixture(name, directory)
@@ -556,6 +561,11 @@ BUILTIN_SPECS = ("jax", "torch_ref", "goldens")
 
 @functools.lru_cache(maxsize=None)
 def _outputs(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
+    with timing.section("reference" if spec in ("torch_ref", "goldens") else "implementation"):
+        return _outputs_timed(spec, case, point, directory)
+
+
+def _outputs_timed(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
     if spec in BUILTIN_SPECS:  # the harness's own sides: a bug there is a traceback
         try:
             return implementation(spec).run(_fixture(case, directory), point)
