@@ -274,7 +274,7 @@ def run(args) -> int:
     from .matrix import build_matrix
     from .report import (attach_reruns, cache_line, error_lines, failure_lines, format_table, profile_lines,
                          status_line, summarise, table, time_split, write_reports)
-    from .timing import cache_root
+    from .timing import COUNTS, cache_root
     from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
 
     _validate_run_args(args, listing=args.list)
@@ -312,8 +312,7 @@ def run(args) -> int:
     }
 
     def cache_meta() -> dict:
-        return {"dir": cache_dir, "programs_loaded": sum(s.get("programs_loaded", 0) for s in splits.values()),
-                "programs_compiled": sum(s.get("programs_compiled", 0) for s in splits.values())}
+        return {"dir": cache_dir, **{k: sum(s.get(k, 0) for s in splits.values()) for k in COUNTS}}
 
     def point_meta(partial: str | None) -> dict:
         slowest = sorted(walls, reverse=True)[:5]

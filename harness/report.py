@@ -301,11 +301,16 @@ TIME_SHARES = ("startup", "trace", "lower", "compile", "run", "reference", "judg
 
 
 def cache_line(meta: dict) -> str:
-    """`programs: 12 loaded from the compilation cache, 3 compiled (cache: DIR)`."""
+    """`programs: 12 loaded from the compilation cache, 3 compiled; live references: 2 loaded, 0
+    computed (cache: DIR)`: what the run's persistent caches served and what it had to compute."""
     cache = meta.get("cache") or {}
-    where = f"cache: {cache['dir']}" if cache.get("dir") else "no persistent compilation cache (--no-cache)"
-    return (f"programs: {cache.get('programs_loaded', 0)} loaded from the compilation cache, "
-            f"{cache.get('programs_compiled', 0)} compiled ({where})")
+    where = f"cache: {cache['dir']}" if cache.get("dir") else "no persistent cache (--no-cache)"
+    text = (f"programs: {cache.get('programs_loaded', 0)} loaded from the compilation cache, "
+            f"{cache.get('programs_compiled', 0)} compiled")
+    if meta.get("reference") == "live":
+        text += (f"; live references: {cache.get('references_loaded', 0)} loaded, "
+                 f"{cache.get('references_computed', 0)} computed")
+    return f"{text} ({where})"
 
 
 def time_split(meta: dict) -> dict[str, float]:

@@ -14,11 +14,12 @@ and counts the programs it obtained: loaded from the persistent compilation cach
 compiled. The figures are differences of per-process counters (`snapshot`) taken around the
 point, so what a worker caches in memory from one point to the next shows as the time it saves.
 
-The caches live under one directory (`cache_root`): `xla/`, JAX's persistent compilation cache.
-JAX keys each entry by the program itself (its StableHLO, the compile options, the jax and
-jaxlib versions, the backend and the flags that change code generation), so an edited
-`jax_impl` that compiles to another program misses and is compiled, and an entry can never be
-served to a program it was not compiled from.
+The caches live under one directory (`cache_root`): `xla/`, JAX's persistent compilation cache,
+and `reference/`, the live reference's outputs (harness.reference_cache). JAX keys each program
+by the program itself (its StableHLO, the compile options, the jax and jaxlib versions, the
+backend and the flags that change code generation), so an edited `jax_impl` that compiles to
+another program misses and is compiled, and an entry can never be served to a program it was
+not compiled from.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import time
 
 SHARES = ("startup", "trace", "lower", "compile", "run", "reference", "judge")
-COUNTS = ("programs_loaded", "programs_compiled")
+COUNTS = ("programs_loaded", "programs_compiled", "references_loaded", "references_computed")
 # The compilation cache's size bound: JAX evicts the least recently used programs above it. The
 # default matrix's programs take about 70 MB on CPU (`du -sh ~/.cache/csa-parity/xla`).
 XLA_CACHE_MAX_BYTES = 1 << 30
@@ -39,7 +40,7 @@ _COMPILE = "/jax/core/compile/backend_compile_duration"  # a compilation or a ca
 _HIT = "/jax/compilation_cache/cache_hits"
 
 _SECONDS: dict[str, float] = {"trace": 0.0, "lower": 0.0, "compile": 0.0, "implementation": 0.0, "reference": 0.0}
-_EVENTS: dict[str, int] = {"programs": 0, "programs_loaded": 0}
+_EVENTS: dict[str, int] = {"programs": 0, "programs_loaded": 0, "references_loaded": 0, "references_computed": 0}
 _STACK: list[list[float]] = []  # [start, time spent in inner sections] of each open section
 _LISTENING = False
 
@@ -53,6 +54,15 @@ def cache_root(explicit: str | None = None) -> str:
         return os.path.abspath(os.environ["CSA_PARITY_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "csa-parity")
+
+
+def use_caches(root: str | None) -> None:
+    """This process's persistent caches under `root`, or none (None): compiled programs and the
+    live reference's outputs."""
+    from . import reference_cache
+
+    use_compilation_cache(root)
+    reference_cache.use(root)
 
 
 def use_compilation_cache(root: str | None) -> None:
@@ -98,6 +108,11 @@ def listen() -> None:
     _LISTENING = True
 
 
+def count(event: str) -> None:
+    """One more `event` in this process (`references_loaded`, `references_computed`)."""
+    _EVENTS[event] += 1
+
+
 @contextlib.contextmanager
 def section(share: str):
     """Time a call into an implementation (`implementation`) or a reference (`reference`). The
@@ -129,4 +144,6 @@ def split(before: dict[str, float], after: dict[str, float], startup: float = 0.
     out = {k: round(v, 3) for k, v in out.items()}
     out["programs_loaded"] = int(d["programs_loaded"])
     out["programs_compiled"] = int(d["programs"] - d["programs_loaded"])
+    out["references_loaded"] = int(d["references_loaded"])
+    out["references_computed"] = int(d["references_computed"])
     return out

@@ -124,7 +124,7 @@ def _setup(init: dict) -> None:
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", init.get("precision", "highest"))
     if "cache_root" in init:  # csa-parity run's choice (None: no persistent cache); else the environment's
-        timing.use_compilation_cache(init["cache_root"])
+        timing.use_caches(init["cache_root"])
     timing.listen()
     # Imported here, not inside the first point, so that a time limit measures implementations.
     # torch is not: a point whose reference is cached or read from the goldens never needs it.
