@@ -104,8 +104,13 @@ def _check_query_chunks(chunks) -> None:
 
 
 def _validate_run_args(args, listing: bool = False) -> None:
+    _check_selection(args)
+    _check_sources(args, listing)
+
+
+def _check_selection(args) -> None:
+    """The arguments' own rules (names, chunk sizes, counts): cheap, nothing imported or read."""
     from .cases import CASES, TEACHERS, get_case
-    from .implementations import load_implementation
     from .matrix import DTYPES
     from .outputs import MODES
 
@@ -125,17 +130,23 @@ def _validate_run_args(args, listing: bool = False) -> None:
         _check_chunks(name, "indexer_head_chunk", "index_n_heads", args.ichunks)
         _check_chunks(name, "loss_head_chunk", "num_query_heads", args.tchunks)
     _check_query_chunks(args.qchunks)
-    load_implementation(args.impl)
-    # Load (and so validate) every selected fixture here, before the workers and the
-    # progress bar start: a damaged fixture is one line on stderr, nothing else.
-    from .fixtures import load_case
-
-    for name in args.cases or list(CASES):
-        load_case(name, os.environ.get("CSA_PARITY_FIXTURES") or None)
     if args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs} must be >= 1")
     if args.timeout is not None and not args.timeout > 0:
         raise ValueError(f"--timeout={args.timeout:g} must be a number of seconds > 0")
+
+
+def _check_sources(args, listing: bool = False) -> None:
+    """What the run reads and writes: the implementation imports, every selected fixture loads
+    (a damaged one is one line on stderr, before the progress bar starts), the report directory
+    is writable."""
+    from .cases import CASES
+    from .fixtures import load_case
+    from .implementations import load_implementation
+
+    load_implementation(args.impl)
+    for name in args.cases or list(CASES):
+        load_case(name, os.environ.get("CSA_PARITY_FIXTURES") or None)
     if not listing:  # --list writes nothing
         _check_writable(args.out)
 
@@ -271,16 +282,33 @@ def selection_lines(entries, sample: str) -> list[str]:
 
 
 def run(args) -> int:
+    from . import worker
     from .matrix import build_matrix
-    from .report import (attach_reruns, cache_line, error_lines, failure_lines, format_table, profile_lines,
-                         status_line, summarise, table, time_split, write_reports)
-    from .timing import COUNTS, cache_root
-    from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
+    from .timing import cache_root
 
-    _validate_run_args(args, listing=args.list)
+    _check_selection(args)
     sample = "full" if args.full else args.sample
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
                            sample=sample, teachers=args.teachers, backends=args.backends)
+    cache_dir = None if args.no_cache else cache_root(args.cache_dir)
+    init = {"precision": args.precision, "fixtures_dir": os.environ.get("CSA_PARITY_FIXTURES"),
+            "sys_path": list(sys.path), "cache_root": cache_dir}
+    # The workers start now: their imports overlap this process's own (the implementation, the
+    # fixtures, JAX's platform), which a run of one point would otherwise wait for twice.
+    started = [] if args.list else worker.spawn(init, min(args.jobs, len({e.group for e in entries})))
+    try:
+        return _run(args, sample, entries, init, started)
+    finally:
+        worker.kill(started)  # those run_points did not take (a user error stopped the run first)
+
+
+def _run(args, sample: str, entries, init: dict, started) -> int:
+    from .report import (attach_reruns, cache_line, error_lines, failure_lines, format_table, profile_lines,
+                         status_line, summarise, table, time_split, write_reports)
+    from .timing import COUNTS
+    from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
+
+    _check_sources(args, listing=args.list)
     entries = _stage_entries(entries, args.impl)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
@@ -297,8 +325,7 @@ def run(args) -> int:
     records: list[dict] = []
     walls: list[tuple[float, str]] = []
     splits: dict[str, dict] = {}  # point label -> harness.timing.split
-    cache_dir = None if args.no_cache else cache_root(args.cache_dir)
-    fixtures_dir = os.environ.get("CSA_PARITY_FIXTURES")
+    cache_dir, fixtures_dir = init["cache_root"], init["fixtures_dir"]
     timeout = args.timeout if args.timeout is not None else timeout_from_env()
     _init_worker(args.precision, fixtures_dir)
     meta = {
@@ -351,10 +378,7 @@ def run(args) -> int:
     interrupted = None
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        run_points(ordered, args.reference, args.precision,
-                   {"precision": args.precision, "fixtures_dir": fixtures_dir, "sys_path": list(sys.path),
-                    "cache_root": cache_dir},
-                   args.jobs, timeout, done)
+        run_points(ordered, args.reference, args.precision, init, args.jobs, timeout, done, started=started)
     except KeyboardInterrupt:
         interrupted = "interrupted (Ctrl-C)", 130
     except _Interrupted:

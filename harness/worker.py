@@ -254,8 +254,25 @@ class _Worker:
         return out
 
 
+def spawn(init: dict, n: int) -> list[_Worker]:
+    """`n` workers started now and not waited for, to hand to run_points (`started`): their
+    imports overlap whatever the caller does meanwhile. The caller kills any it does not hand
+    over (`kill`)."""
+    return [_Worker({**init, "poison": {}}) for _ in range(n)]
+
+
+def kill(workers) -> None:
+    """End `workers` (those of `spawn`; one already ended is left as it is)."""
+    for w in workers:
+        w.kill()
+
+
 def _start(init: dict) -> _Worker:
-    w = _Worker(init)
+    return _ready(_Worker(init))
+
+
+def _ready(w: _Worker) -> _Worker:
+    """`w` once it has started (imports done), or RuntimeError when it could not start."""
     while not w.ready:  # JAX imports here; a worker that cannot start is a harness failure
         closed = False
         if w.conn.poll(1.0):
@@ -272,20 +289,24 @@ def _start(init: dict) -> _Worker:
     return w
 
 
-def run_points(groups, reference: str, profile: str, init: dict, jobs: int, timeout: float, on_done) -> None:
+def run_points(groups, reference: str, profile: str, init: dict, jobs: int, timeout: float, on_done,
+               started=()) -> None:
     """Evaluate every point of `groups` (lists of (point, entries), one (implementation, case,
     dtype) each) in `jobs` persistent workers; `on_done(point, entries, records, wall_s, split)` as
     each point ends (`split`: harness.timing.split's shares and program counts; None for a point
     that crashed or timed out). A worker that dies, or runs one point longer than `timeout` seconds (then
     it is killed), is replaced; the point runs again with the call it was in poisoned (up to
-    MAX_RERUNS times), or, if it died outside any call, gets `error` as a whole."""
+    MAX_RERUNS times), or, if it died outside any call, gets `error` as a whole. `started`: workers
+    of `spawn` (same `init`) to use first; every one is ended when this returns."""
     pending = deque(deque(g) for g in groups if g)
+    started = list(started)
     poison: dict[tuple[str, str], str] = {}
     reruns: dict = {}
     slots: list[tuple[_Worker, deque]] = []
     try:
         for _ in range(min(jobs, len(pending))):
-            slots.append((_start({**init, "poison": poison}), pending.popleft()))
+            w = _ready(started.pop(0)) if started else _start({**init, "poison": poison})
+            slots.append((w, pending.popleft()))
         while slots:
             for i, (w, queue) in enumerate(list(slots)):
                 if w.task is None:
@@ -345,6 +366,7 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
         for slot in slots:
             if slot is not None:
                 slot[0].kill()
+        kill(started)  # started but not needed
 
 
 # --------------------------------------------------------------------------- outside a worker
