@@ -286,6 +286,7 @@ def run(args) -> int:
     from .matrix import build_matrix
     from .timing import cache_root
 
+    began = time.time()
     _check_selection(args)
     sample = "full" if args.full else args.sample
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
@@ -297,12 +298,12 @@ def run(args) -> int:
     # fixtures, JAX's platform), which a run of one point would otherwise wait for twice.
     started = [] if args.list else worker.spawn(init, min(args.jobs, len({e.group for e in entries})))
     try:
-        return _run(args, sample, entries, init, started)
+        return _run(args, sample, entries, init, started, began)
     finally:
         worker.kill(started)  # those run_points did not take (a user error stopped the run first)
 
 
-def _run(args, sample: str, entries, init: dict, started) -> int:
+def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     from .report import (attach_reruns, cache_line, error_lines, failure_lines, format_table, profile_lines,
                          status_line, summarise, table, time_split, write_reports)
     from .timing import COUNTS
@@ -321,7 +322,6 @@ def _run(args, sample: str, entries, init: dict, started) -> int:
     # Big groups first, so the last worker does not start the largest one alone.
     ordered = _points_of(sorted(groups.values(), key=len, reverse=True))
     n_points = sum(len(g) for g in ordered)
-    start = time.time()
     records: list[dict] = []
     walls: list[tuple[float, str]] = []
     splits: dict[str, dict] = {}  # point label -> harness.timing.split
@@ -346,7 +346,7 @@ def _run(args, sample: str, entries, init: dict, started) -> int:
         points = {"total": n_points, "run": len(walls), "wall_sum_s": round(sum(w for w, _ in walls), 2),
                   "slowest": [[label, round(w, 2)] for w, label in slowest], "by_point": dict(sorted(splits.items()))}
         points["time_split_s"] = time_split({"points": points})
-        return {**meta, "wall_s": time.time() - start, "cache": cache_meta(), "points": points,
+        return {**meta, "wall_s": time.time() - began, "cache": cache_meta(), "points": points,
                 "partial": None if partial is None else {"reason": partial, "points_run": len(walls),
                                                          "points_total": n_points}}
 

@@ -304,7 +304,7 @@ def cache_line(meta: dict) -> str:
     """`programs: 12 loaded from the compilation cache, 3 compiled; live references: 2 loaded, 0
     computed (cache: DIR)`: what the run's persistent caches served and what it had to compute."""
     cache = meta.get("cache") or {}
-    where = f"cache: {cache['dir']}" if cache.get("dir") else "no persistent cache (--no-cache)"
+    where = f"cache: {cache['dir']}" if cache.get("dir") else "--no-cache: no persistent cache"
     text = (f"programs: {cache.get('programs_loaded', 0)} loaded from the compilation cache, "
             f"{cache.get('programs_compiled', 0)} compiled")
     if meta.get("reference") == "live":
