@@ -65,11 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "past it is an error and its worker is killed (default: CSA_PARITY_TIMEOUT or "
                           "600, over 40x the slowest point of the default matrix on a 2-core machine)")
     run.add_argument("--cache-dir", metavar="DIR",
-                     help="where compiled programs persist between runs (default: CSA_PARITY_CACHE_DIR, else "
-                          "$XDG_CACHE_HOME/csa-parity, else ~/.cache/csa-parity; bounded, least recently used "
-                          "programs evicted first)")
+                     help="where compiled programs and the live reference's outputs persist between runs "
+                          "(default: CSA_PARITY_CACHE_DIR, else $XDG_CACHE_HOME/csa-parity, else "
+                          "~/.cache/csa-parity; bounded, the least recently used evicted first)")
     run.add_argument("--no-cache", action="store_true",
-                     help="compile every program; read and write no persistent compilation cache")
+                     help="compile every program and compute every reference; read and write no persistent cache")
     run.add_argument("--profile", action="store_true",
                      help="print where the time went: start-up, trace, lower, compile, run, reference and judge, "
                           "summed over the points, and the slowest points' splits (parity.json has every point's)")

@@ -28,7 +28,10 @@ place that maps each side's result names to the canonical ones.
 
 Caching: `outputs(impl, case, point)` runs each (implementation, case, point) once per
 process (torch: once per case and dtype); keyed by the fixtures directory too, which a
-test may point elsewhere (CSA_PARITY_FIXTURES). Nothing is written to disk.
+test may point elsewhere (CSA_PARITY_FIXTURES). Where harness.reference_cache is on (the
+workers of `csa-parity run`) the live reference's outputs also persist on disk between runs,
+keyed by everything they follow from; the compiled programs persist in JAX's own cache
+(harness.timing).
 """
 
 from __future__ import annotations
