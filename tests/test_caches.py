@@ -1,6 +1,7 @@
 """The persistent caches of `csa-parity run`: a rerun loads its programs and its live references
 instead of compiling and computing them, judges exactly as the first run did, and a changed
-program or reference source is never served a stale entry."""
+program or reference source is never served a stale entry. And the time split that says what
+they save adds up."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -109,3 +111,19 @@ def test_the_reference_cache_serves_identical_outputs_and_misses_when_a_source_c
         assert parts["torch"] == version("torch") and parts["sources_sha256"] == "torch_ref edited"
     finally:
         reference_cache.use(None)
+
+
+def test_the_time_split_adds_up_and_counts_a_nested_section_once():
+    """A reference read inside an implementation's call (a stage plug-in does that) counts as
+    reference only; the shares of a stretch without JAX compilations add up to its wall time."""
+    start, before = time.perf_counter(), timing.snapshot()
+    with timing.section("implementation"):
+        time.sleep(0.05)
+        with timing.section("reference"):
+            time.sleep(0.05)
+    time.sleep(0.02)
+    split = timing.split(before, timing.snapshot(), startup=1.5)
+    wall = time.perf_counter() - start
+    assert split["startup"] == 1.5 and split["trace"] == split["lower"] == split["compile"] == 0
+    assert split["run"] >= 0.05 and split["reference"] >= 0.05 and split["judge"] >= 0.02
+    assert abs(split["run"] + split["reference"] + split["judge"] - wall) < 0.01
