@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -29,9 +30,10 @@ from pathlib import Path
 MAX_BYTES = 256 << 20  # the references of every case and dtype of the matrix take about 60 MB
 _ROOT: Path | None = None
 _HARNESS = Path(__file__).resolve().parent
-# The modules whose code decides a cached value: the reference itself, the side that calls it
-# and maps its results to canonical names, and the vocabulary those names come from.
-SOURCES = ("torch_ref", "harness/implementations.py", "harness/outputs.py", "harness/compare.py")
+# The code that decides a cached value: the reference package (wherever it is imported from) and
+# the harness modules that call it and map its results to canonical names, and the vocabulary
+# those names come from.
+HARNESS_SOURCES = ("implementations.py", "outputs.py", "compare.py")
 
 
 def use(root: str | None) -> None:
@@ -56,14 +58,18 @@ def file_sha(path: Path) -> str:
 
 @functools.lru_cache(maxsize=None)
 def sources_sha() -> str:
-    """sha256 over the source files of SOURCES (a package: every .py file in it), by path."""
-    root = _HARNESS.parent
+    """sha256 over the source files of the torch_ref package this process imports (found, not
+    imported: torch stays unloaded) and of HARNESS_SOURCES."""
+    spec = importlib.util.find_spec("torch_ref")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("torch_ref cannot be found: the live reference needs it")
+    package = Path(list(spec.submodule_search_locations)[0])
+    files = [("torch_ref", f) for f in sorted(package.rglob("*.py"))]
+    files += [("harness", _HARNESS / name) for name in HARNESS_SOURCES]
     h = hashlib.sha256()
-    for entry in SOURCES:
-        path = root / entry
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
-        for f in files:
-            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    for root, f in files:
+        name = f.relative_to(package) if root == "torch_ref" else f.name
+        h.update(f"{root}/{name}".encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
