@@ -24,6 +24,7 @@ import pickle
 import platform
 import sys
 import tempfile
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -119,6 +120,12 @@ def store(k: str, value) -> None:
 
 
 def _trim() -> None:
+    for p in _ROOT.glob("*.tmp"):  # a worker killed while writing leaves one: gone after an hour
+        try:
+            if time.time() - p.stat().st_mtime > 3600:
+                p.unlink()
+        except OSError:
+            pass
     entries = []
     for p in _ROOT.glob("*.pickle"):
         try:
