@@ -15,6 +15,7 @@ Off unless `use(root)` named a cache directory (the CLI's workers do; pytest doe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -28,7 +29,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-MAX_BYTES = 256 << 20  # the references of every case and dtype of the matrix take about 60 MB
+MAX_BYTES = 256 << 20  # the whole matrix's references take about as much as its fixtures, ~20 MB
 _ROOT: Path | None = None
 _HARNESS = Path(__file__).resolve().parent
 # The code that decides a cached value: the reference package (wherever it is imported from) and
@@ -99,9 +100,10 @@ def load(k: str):
     try:
         with open(path, "rb") as f:
             value = pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
-        return None  # absent, or unreadable (a partial copy): computed again
-    os.utime(path)  # recently used
+    except Exception:  # absent, or unreadable (damaged, or written by another numpy): computed again
+        return None
+    with contextlib.suppress(OSError):  # recently used (unless another process removed it meanwhile)
+        os.utime(path)
     return value
 
 
