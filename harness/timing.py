@@ -7,8 +7,10 @@ A `csa-parity run` worker splits each point's wall time into shares (SHARES):
   lower      jaxprs lowered to StableHLO                 (jax.monitoring events)
   compile    XLA compiling the programs, or loading them from the compilation cache
   run        the implementation's calls, less the three above: running the programs
-  reference  the reference outputs (torch_ref live, or the fixture goldens), fixtures, order errors
-  judge      judging and the records: the point's wall time less everything above
+  reference  the reference's outputs (torch_ref live, or the fixture goldens; loading the
+             fixture when it comes first)
+  judge      the stored order errors, judging and the records: the point's wall time less the
+             implementation's and the reference's calls
 
 and counts the programs it obtained: loaded from the persistent compilation cache or
 compiled. The figures are differences of per-process counters (`snapshot`) taken around the
