@@ -151,7 +151,7 @@ def _check_sources(args, listing: bool = False) -> None:
         _check_writable(args.out)
 
 
-def _check_writable(out: str) -> None:
+def _check_writable(out: str, what: str = "report directory", fix: str = "choose another with --out") -> None:
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, ".csa-parity-write-test")
@@ -159,7 +159,7 @@ def _check_writable(out: str) -> None:
             f.write("")
         os.remove(probe)
     except OSError as exc:
-        raise ValueError(f"report directory {out!r} is not writable ({exc.strerror or exc}); choose another with --out") from None
+        raise ValueError(f"{what} {out!r} is not writable ({exc.strerror or exc}); {fix}") from None
 
 
 def _init_worker(precision: str, fixtures_dir: str | None) -> None:
@@ -292,6 +292,8 @@ def run(args) -> int:
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
                            sample=sample, teachers=args.teachers, backends=args.backends)
     cache_dir = None if args.no_cache else cache_root(args.cache_dir)
+    if cache_dir is not None and not args.list:
+        _check_writable(cache_dir, "cache directory", "choose another with --cache-dir, or run with --no-cache")
     init = {"precision": args.precision, "fixtures_dir": os.environ.get("CSA_PARITY_FIXTURES"),
             "sys_path": list(sys.path), "cache_root": cache_dir}
     # The workers start now: their imports overlap this process's own (the implementation, the
