@@ -1,7 +1,7 @@
 """`csa-parity`: the main job (`run`) and the fixture tools (`fixtures`).
 
 User errors (an unknown case, a chunk that does not divide the heads, a plug-in
-that cannot be loaded, an unwritable report directory, a damaged fixture) exit
+that cannot be loaded, an unwritable report or cache directory, a damaged fixture) exit
 with status 2 and one line on stderr, never a traceback. Parity failures, and points
 whose implementation raised, crashed its worker or ran past --timeout, exit 1. An
 interrupted run (Ctrl-C, SIGTERM) writes partial reports and exits 130 / 143.
