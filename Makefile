@@ -16,12 +16,16 @@ STAMP312 := $(VENV312)/.installed
 
 .PHONY: venv venv312 parity test test312 multihost check-fixtures regenerate-fixtures bench bench-cp clean
 
-# --no-compile: pip skips byte-compiling every installed module (torch's thousands); Python
-# compiles the few it imports on first use. Measured: the .venv install 61 s -> 39 s wall.
+# pip byte-compiles what it installs (no --no-compile): with PYTHONDONTWRITEBYTECODE set, as in
+# many containers, Python never writes a .pyc at import, so a venv without them compiles jax's and
+# torch's sources again in every process (each worker, test subprocess, mutation worker).
+# Measured on 2 shared cores (python -m benchmarks.startup, medians of 3): import jax 3.4 -> 1.2 s,
+# import torch 3.7 -> 1.6 s, torch with deterministic algorithms 6.4 -> 2.9 s, a worker's start-up
+# 4.6 -> 3.3 s; the .venv install took 23 -> 55 s wall, paid back by about ten processes.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[dev,reference]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,reference]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -30,7 +34,7 @@ $(STAMP312): pyproject.toml constraints-py312.txt
 	@test -n "$(PYTHON312)" || { echo "make: no Python 3.12 found (PATH or pyenv): the jax 0.12 leg cannot run; install one or set PYTHON312=/path/to/python3.12" >&2; exit 1; }
 	test -x $(BIN312)/python || $(PYTHON312) -m venv $(VENV312)
 	$(BIN312)/python -m pip install -q --upgrade pip
-	$(BIN312)/python -m pip install -q --no-compile -c constraints-py312.txt -e '.[dev]'
+	$(BIN312)/python -m pip install -q -c constraints-py312.txt -e '.[dev]'
 	@! $(BIN312)/python -c "import torch" 2>/dev/null || { echo "make: torch is importable in $(VENV312), which must run without it" >&2; exit 1; }
 	touch $(STAMP312)
 
@@ -64,7 +68,7 @@ SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_
 	tests/test_query_chunk.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
-	export JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296; \
 	{ CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest $(SIDE_TESTS) -n 0 --durations=10 && \
 	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5; \
@@ -98,7 +102,7 @@ TEST312_FILES := tests/test_bad_inputs.py tests/test_layering.py tests/test_memo
 # One compilation cache for both steps: the CLI tests load the tiny programs the run compiled.
 test312: $(STAMP312)
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
-	export JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296 && \
 	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --dtypes $(DTYPES312) --out reports-py312 \
 		--no-progress && \

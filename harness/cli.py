@@ -1,7 +1,7 @@
 """`csa-parity`: the main job (`run`) and the fixture tools (`fixtures`).
 
 User errors (an unknown case, a chunk that does not divide the heads, a plug-in
-that cannot be loaded, an unwritable report directory, a damaged fixture) exit
+that cannot be loaded, an unwritable report or cache directory, a damaged fixture) exit
 with status 2 and one line on stderr, never a traceback. Parity failures, and points
 whose implementation raised, crashed its worker or ran past --timeout, exit 1. An
 interrupted run (Ctrl-C, SIGTERM) writes partial reports and exits 130 / 143.
@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time limit of one point (its implementation, reference and judging); a point "
                           "past it is an error and its worker is killed (default: CSA_PARITY_TIMEOUT or "
                           "600, over 40x the slowest point of the default matrix on a 2-core machine)")
+    run.add_argument("--cache-dir", metavar="DIR",
+                     help="where compiled programs and the live reference's outputs persist between runs "
+                          "(default: CSA_PARITY_CACHE_DIR, else $XDG_CACHE_HOME/csa-parity, else "
+                          "~/.cache/csa-parity; bounded, the least recently used evicted first)")
+    run.add_argument("--no-cache", action="store_true",
+                     help="compile every program and compute every reference; read and write no persistent cache")
+    run.add_argument("--profile", action="store_true",
+                     help="print where the time went: start-up, trace, lower, compile, run, reference and judge, "
+                          "summed over the points, and the slowest points' splits (parity.json has every point's)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--list", action="store_true",
                      help="print the selection (cases, dtypes, chunk points, entries, compiled programs) and "
@@ -95,8 +104,13 @@ def _check_query_chunks(chunks) -> None:
 
 
 def _validate_run_args(args, listing: bool = False) -> None:
+    _check_selection(args)
+    _check_sources(args, listing)
+
+
+def _check_selection(args) -> None:
+    """The arguments' own rules (names, chunk sizes, counts): cheap, nothing imported or read."""
     from .cases import CASES, TEACHERS, get_case
-    from .implementations import load_implementation
     from .matrix import DTYPES
     from .outputs import MODES
 
@@ -116,22 +130,28 @@ def _validate_run_args(args, listing: bool = False) -> None:
         _check_chunks(name, "indexer_head_chunk", "index_n_heads", args.ichunks)
         _check_chunks(name, "loss_head_chunk", "num_query_heads", args.tchunks)
     _check_query_chunks(args.qchunks)
-    load_implementation(args.impl)
-    # Load (and so validate) every selected fixture here, before the workers and the
-    # progress bar start: a damaged fixture is one line on stderr, nothing else.
-    from .fixtures import load_case
-
-    for name in args.cases or list(CASES):
-        load_case(name, os.environ.get("CSA_PARITY_FIXTURES") or None)
     if args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs} must be >= 1")
     if args.timeout is not None and not args.timeout > 0:
         raise ValueError(f"--timeout={args.timeout:g} must be a number of seconds > 0")
+
+
+def _check_sources(args, listing: bool = False) -> None:
+    """What the run reads and writes: the implementation imports, every selected fixture loads
+    (a damaged one is one line on stderr, before the progress bar starts), the report directory
+    is writable."""
+    from .cases import CASES
+    from .fixtures import load_case
+    from .implementations import load_implementation
+
+    load_implementation(args.impl)
+    for name in args.cases or list(CASES):
+        load_case(name, os.environ.get("CSA_PARITY_FIXTURES") or None)
     if not listing:  # --list writes nothing
         _check_writable(args.out)
 
 
-def _check_writable(out: str) -> None:
+def _check_writable(out: str, what: str = "report directory", fix: str = "choose another with --out") -> None:
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, ".csa-parity-write-test")
@@ -139,7 +159,7 @@ def _check_writable(out: str) -> None:
             f.write("")
         os.remove(probe)
     except OSError as exc:
-        raise ValueError(f"report directory {out!r} is not writable ({exc.strerror or exc}); choose another with --out") from None
+        raise ValueError(f"{what} {out!r} is not writable ({exc.strerror or exc}); {fix}") from None
 
 
 def _init_worker(precision: str, fixtures_dir: str | None) -> None:
@@ -186,10 +206,14 @@ def platform_info(precision: str, reference: str) -> dict:
 
     if interpret_mode():  # what a pallas-backend point ran
         info["pallas"] = f"Pallas interpret mode on {jax.default_backend()} (no TPU: the kernels are interpreted)"
-    if reference == "live":
-        import torch
+    if reference == "live":  # the installed version, read without importing torch here
+        from importlib.metadata import PackageNotFoundError, version
 
-        info["torch_version"] = torch.__version__
+        try:
+            info["torch_version"] = version("torch")
+        except PackageNotFoundError:
+            raise ValueError("--reference live needs torch (pip install -e '.[reference]'); without it run "
+                             "--reference goldens") from None
     return info
 
 
@@ -258,15 +282,36 @@ def selection_lines(entries, sample: str) -> list[str]:
 
 
 def run(args) -> int:
+    from . import worker
     from .matrix import build_matrix
-    from .report import (attach_reruns, error_lines, failure_lines, format_table, status_line, summarise, table,
-                         write_reports)
-    from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
+    from .timing import cache_root
 
-    _validate_run_args(args, listing=args.list)
+    began = time.time()
+    _check_selection(args)
     sample = "full" if args.full else args.sample
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
                            sample=sample, teachers=args.teachers, backends=args.backends)
+    cache_dir = None if args.no_cache else cache_root(args.cache_dir)
+    if cache_dir is not None and not args.list:
+        _check_writable(cache_dir, "cache directory", "choose another with --cache-dir, or run with --no-cache")
+    init = {"precision": args.precision, "fixtures_dir": os.environ.get("CSA_PARITY_FIXTURES"),
+            "sys_path": list(sys.path), "cache_root": cache_dir}
+    # The workers start now: their imports overlap this process's own (the implementation, the
+    # fixtures, JAX's platform), which a run of one point would otherwise wait for twice.
+    started = [] if args.list else worker.spawn(init, min(args.jobs, len({e.group for e in entries})))
+    try:
+        return _run(args, sample, entries, init, started, began)
+    finally:
+        worker.kill(started)  # those run_points did not take (a user error stopped the run first)
+
+
+def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
+    from .report import (attach_reruns, cache_line, error_lines, failure_lines, format_table, profile_lines,
+                         status_line, summarise, table, time_split, write_reports)
+    from .timing import COUNTS
+    from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
+
+    _check_sources(args, listing=args.list)
     entries = _stage_entries(entries, args.impl)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
@@ -279,10 +324,10 @@ def run(args) -> int:
     # Big groups first, so the last worker does not start the largest one alone.
     ordered = _points_of(sorted(groups.values(), key=len, reverse=True))
     n_points = sum(len(g) for g in ordered)
-    start = time.time()
     records: list[dict] = []
     walls: list[tuple[float, str]] = []
-    fixtures_dir = os.environ.get("CSA_PARITY_FIXTURES")
+    splits: dict[str, dict] = {}  # point label -> harness.timing.split
+    cache_dir, fixtures_dir = init["cache_root"], init["fixtures_dir"]
     timeout = args.timeout if args.timeout is not None else timeout_from_env()
     _init_worker(args.precision, fixtures_dir)
     meta = {
@@ -295,11 +340,15 @@ def run(args) -> int:
         "timeout_s": timeout,
     }
 
+    def cache_meta() -> dict:
+        return {"dir": cache_dir, **{k: sum(s.get(k, 0) for s in splits.values()) for k in COUNTS}}
+
     def point_meta(partial: str | None) -> dict:
         slowest = sorted(walls, reverse=True)[:5]
-        return {**meta, "wall_s": time.time() - start,
-                "points": {"total": n_points, "run": len(walls), "wall_sum_s": round(sum(w for w, _ in walls), 2),
-                           "slowest": [[label, round(w, 2)] for w, label in slowest]},
+        points = {"total": n_points, "run": len(walls), "wall_sum_s": round(sum(w for w, _ in walls), 2),
+                  "slowest": [[label, round(w, 2)] for w, label in slowest], "by_point": dict(sorted(splits.items()))}
+        points["time_split_s"] = time_split({"points": points})
+        return {**meta, "wall_s": time.time() - began, "cache": cache_meta(), "points": points,
                 "partial": None if partial is None else {"reason": partial, "points_run": len(walls),
                                                          "points_total": n_points}}
 
@@ -317,9 +366,11 @@ def run(args) -> int:
     # A failed or errored record carries the command that reruns its point with this run's options.
     rerun_timeout = None if timeout == DEFAULT_TIMEOUT else timeout
 
-    def done(point, point_entries, point_records, wall):
+    def done(point, point_entries, point_records, wall, split=None):
         records.extend(attach_reruns(point_records, args.reference, args.precision, rerun_timeout, fixtures_dir))
         walls.append((wall, point.label))
+        if split is not None:
+            splits[point.label] = split
         if progress is not None:
             progress.update(len(point_entries))
         if time.monotonic() - last_checkpoint[0] > CHECKPOINT_S:
@@ -329,9 +380,7 @@ def run(args) -> int:
     interrupted = None
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        run_points(ordered, args.reference, args.precision,
-                   {"precision": args.precision, "fixtures_dir": fixtures_dir, "sys_path": list(sys.path)},
-                   args.jobs, timeout, done)
+        run_points(ordered, args.reference, args.precision, init, args.jobs, timeout, done, started=started)
     except KeyboardInterrupt:
         interrupted = "interrupted (Ctrl-C)", 130
     except _Interrupted:
@@ -368,6 +417,9 @@ def run(args) -> int:
         print("FAIL", line)
     for line in error_lines(summary)[:20]:  # one line per error (a crash is one line, not one per quantity)
         print("ERROR", line)
+    print(cache_line(meta))
+    if args.profile:
+        print("\n".join(profile_lines(meta)))
     slowest = meta["points"]["slowest"]
     if slowest:
         print(f"slowest point: {slowest[0][1]:.1f} s ({slowest[0][0]}); time limit {timeout:g} s per point")

@@ -28,7 +28,10 @@ place that maps each side's result names to the canonical ones.
 
 Caching: `outputs(impl, case, point)` runs each (implementation, case, point) once per
 process (torch: once per case and dtype); keyed by the fixtures directory too, which a
-test may point elsewhere (CSA_PARITY_FIXTURES). Nothing is written to disk.
+test may point elsewhere (CSA_PARITY_FIXTURES). Where harness.reference_cache is on (the
+workers of `csa-parity run`) the live reference's outputs also persist on disk between runs,
+keyed by everything they follow from; the compiled programs persist in JAX's own cache
+(harness.timing).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import worker
+from . import reference_cache, timing, worker
 from .compare import to_numpy
 from .matrix import Point, mesh_text, seq_split_reason
 from .outputs import FORWARD_QUANTITIES, LOSS_VARIANTS, PARAM_NAMES, STAGE_INPUTS, Outputs, all_names
@@ -354,6 +357,11 @@ def reference_stage_values(problem, dtype: str) -> dict[str, np.ndarray]:
 
 @functools.lru_cache(maxsize=None)
 def _reference_stage_values(name, dtype, directory) -> dict[str, np.ndarray]:
+    with timing.section("reference"):
+        return _reference_stage_values_timed(name, dtype, directory)
+
+
+def _reference_stage_values_timed(name, dtype, directory) -> dict[str, np.ndarray]:
     import torch_ref
 
     problem = _fixture(name, directory)
@@ -556,8 +564,15 @@ BUILTIN_SPECS = ("jax", "torch_ref", "goldens")
 
 @functools.lru_cache(maxsize=None)
 def _outputs(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
+    with timing.section("reference" if spec in ("torch_ref", "goldens") else "implementation"):
+        return _outputs_timed(spec, case, point, directory)
+
+
+def _outputs_timed(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
     if spec in BUILTIN_SPECS:  # the harness's own sides: a bug there is a traceback
         try:
+            if spec == "torch_ref" and reference_cache.enabled():
+                return _cached_reference(case, point, directory)
             return implementation(spec).run(_fixture(case, directory), point)
         except WorkerCrash as exc:  # a call of it killed or hung a worker (harness.worker)
             return Outputs(spec, error=str(exc))
@@ -574,6 +589,23 @@ def _outputs(spec: str, case: str, point: Point, directory: str | None) -> Outpu
         line = (str(exc) if isinstance(exc, WorkerCrash)
                 else f"plug-in {spec} raised at {point.label}: {_first_line(exc)}")
         return Outputs(spec, error=line)
+
+
+def _cached_reference(case: str, point: Point, directory: str | None) -> Outputs:
+    """torch_ref's outputs at `point` read from the reference cache (harness.reference_cache:
+    keyed by the fixture's bytes, the sources and versions they follow from), or computed and
+    stored there."""
+    problem, ref = _fixture(case, directory), implementation("torch_ref")
+    key = reference_cache.key(reference_cache.key_parts(problem.path, point.dtype, point.teacher, ref.variants))
+    stored = reference_cache.load(key)
+    if isinstance(stored, dict):
+        timing.count("references_loaded")
+        return Outputs(stored["source"], stored["values"], stored["missing"])
+    out = ref.run(problem, point)
+    timing.count("references_computed")
+    if not out.error and not out.errors and not out.not_applicable:
+        reference_cache.store(key, {"source": out.source, "values": dict(out.values), "missing": dict(out.missing)})
+    return out
 
 
 def _outputs_here(spec: str, case: str, point: Point, directory: str | None) -> Outputs:

@@ -17,7 +17,7 @@ from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSE
 
 # parity.json's layout (docs/design.md lists every field; CHANGELOG.md says what each version
 # added). A reader that finds another version knows the fields may differ.
-JSON_SCHEMA_VERSION = 5
+JSON_SCHEMA_VERSION = 6
 COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "loss", "grad", "input_grads")
 
 
@@ -296,6 +296,52 @@ def format_table(header: list[str], rows: list[list[str]], markdown: bool = Fals
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
+# The shares of a point's time (harness.timing.SHARES), in the order a point spends them.
+TIME_SHARES = ("startup", "trace", "lower", "compile", "run", "reference", "judge")
+
+
+def cache_line(meta: dict) -> str:
+    """`programs: 12 loaded from the compilation cache, 3 compiled; live references: 2 loaded, 0
+    computed (cache: DIR)`: what the run's persistent caches served and what it had to compute."""
+    cache = meta.get("cache") or {}
+    where = f"cache: {cache['dir']}" if cache.get("dir") else "--no-cache: no persistent cache"
+    text = (f"programs: {cache.get('programs_loaded', 0)} loaded from the compilation cache, "
+            f"{cache.get('programs_compiled', 0)} compiled")
+    if meta.get("reference") == "live":
+        text += (f"; live references: {cache.get('references_loaded', 0)} loaded, "
+                 f"{cache.get('references_computed', 0)} computed")
+    return f"{text} ({where})"
+
+
+def time_split(meta: dict) -> dict[str, float]:
+    """Each share's seconds summed over the points that reported one (parity.json's
+    points.time_split_s)."""
+    total = dict.fromkeys(TIME_SHARES, 0.0)
+    for split in (meta.get("points", {}).get("by_point") or {}).values():
+        for k in TIME_SHARES:
+            total[k] += split.get(k, 0.0)
+    return {k: round(v, 2) for k, v in total.items()}
+
+
+def profile_lines(meta: dict, top: int = 5) -> list[str]:
+    """The `--profile` summary: each share's seconds summed over the points (worker seconds: the
+    workers run side by side, so the sum exceeds the run's wall time) and its part of the whole,
+    then the slowest points' own splits."""
+    total = time_split(meta)
+    whole = sum(total.values()) or 1.0
+    header = ["share", "seconds", "part"]
+    rows = [[k, f"{v:.1f}", f"{100 * v / whole:.0f}%"] for k, v in total.items()]
+    by_point = meta.get("points", {}).get("by_point") or {}
+    slowest = sorted(by_point.items(), key=lambda kv: -sum(kv[1].get(k, 0.0) for k in TIME_SHARES))[:top]
+    lines = [f"time split over {len(by_point)} points, summed over the workers ({whole:.1f} worker-s in "
+             f"{meta.get('wall_s', 0):.1f} s wall):", format_table(header, rows)]
+    if slowest:
+        lines.append(f"slowest points ({', '.join(TIME_SHARES)}; s):")
+        lines += [f"  {label}: " + " ".join(f"{split.get(k, 0.0):.2f}" for k in TIME_SHARES)
+                  for label, split in slowest]
+    return lines
+
+
 def _replace_atomically(path: str, write) -> None:
     """`write(f)` into a temporary file beside `path`, then rename it over `path`: a reader (or
     a run killed meanwhile) sees the old file or the new one, never half of one."""
@@ -358,6 +404,8 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         + (f"; Pallas kernels: {meta['platform']['pallas']}" if meta.get("platform", {}).get("pallas") else ""),
         f"- {summary['entries']} matrix entries, {summary['checks']} checks: {status_line(summary)}; "
         f"wall time {meta.get('wall_s', 0):.1f} s",
+        *([f"- {cache_line(meta)}; time per share, summed over the points (s): "
+           + ", ".join(f"{k} {v:.1f}" for k, v in time_split(meta).items())] if "cache" in meta else []),
         f"- top-k: {summary['topk_excused_ties']} set differences excused as boundary ties, "
         f"{summary['topk_unexcused']} unexcused; sparse end-to-end checks excused for tie flips: "
         f"{summary['sparse_end_to_end_excused']}",

@@ -39,6 +39,8 @@ import time
 import traceback
 from collections import deque
 
+from . import timing
+
 # The time limit of one point when none is given (`csa-parity run --timeout`, CSA_PARITY_TIMEOUT
 # for pytest): a large multiple of the slowest single point measured on the 2-core CI machine
 # (docs/running.md, "Crash isolation and time limits", says which and how), so that only a hang or a
@@ -121,12 +123,12 @@ def _setup(init: dict) -> None:
 
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", init.get("precision", "highest"))
+    if "cache_root" in init:  # csa-parity run's choice (None: no persistent cache); else the environment's
+        timing.use_caches(init["cache_root"])
+    timing.listen()
     # Imported here, not inside the first point, so that a time limit measures implementations.
+    # torch is not: a point whose reference is cached or read from the goldens never needs it.
     from . import collect  # noqa: F401
-    try:
-        import torch  # noqa: F401  (the live reference; absent in the JAX-only install)
-    except ImportError:
-        pass
 
 
 def _error_records(entries, line: str) -> list[dict]:
@@ -180,9 +182,9 @@ def _main(conn, init: dict) -> None:
         _POISONED.update(msg[-1])
         if msg[0] == "point":
             _, entries, reference, profile, _ = msg
-            start = time.perf_counter()
+            before, start = timing.snapshot(), time.perf_counter()
             records = _evaluate_point(entries, reference, profile)
-            conn.send(("done", records, time.perf_counter() - start, _RETIRE))
+            conn.send(("done", records, time.perf_counter() - start, _RETIRE, timing.split(before, timing.snapshot())))
         elif msg[0] == "call":
             _, target, args, path, _ = msg
             sys.path[:] = path
@@ -232,6 +234,8 @@ class _Worker:
         self.last = None  # (call, label) of the call running now, None between calls
         self.task = None
         self.started = 0.0
+        self.spawned = time.monotonic()
+        self.startup = 0.0  # seconds from spawn to ready: charged to the first point it answers
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -250,8 +254,25 @@ class _Worker:
         return out
 
 
+def spawn(init: dict, n: int) -> list[_Worker]:
+    """`n` workers started now and not waited for, to hand to run_points (`started`): their
+    imports overlap whatever the caller does meanwhile. The caller kills any it does not hand
+    over (`kill`)."""
+    return [_Worker({**init, "poison": {}}) for _ in range(n)]
+
+
+def kill(workers) -> None:
+    """End `workers` (those of `spawn`; one already ended is left as it is)."""
+    for w in workers:
+        w.kill()
+
+
 def _start(init: dict) -> _Worker:
-    w = _Worker(init)
+    return _ready(_Worker(init))
+
+
+def _ready(w: _Worker) -> _Worker:
+    """`w` once it has started (imports done), or RuntimeError when it could not start."""
     while not w.ready:  # JAX imports here; a worker that cannot start is a harness failure
         closed = False
         if w.conn.poll(1.0):
@@ -264,22 +285,28 @@ def _start(init: dict) -> _Worker:
             w.kill()
             raise RuntimeError(f"a csa-parity worker could not start ({describe_exit(w.proc.exitcode)}); "
                                "its stderr says why")
+    w.startup = time.monotonic() - w.spawned
     return w
 
 
-def run_points(groups, reference: str, profile: str, init: dict, jobs: int, timeout: float, on_done) -> None:
+def run_points(groups, reference: str, profile: str, init: dict, jobs: int, timeout: float, on_done,
+               started=()) -> None:
     """Evaluate every point of `groups` (lists of (point, entries), one (implementation, case,
-    dtype) each) in `jobs` persistent workers; `on_done(point, entries, records, wall_s)` as
-    each point ends. A worker that dies, or runs one point longer than `timeout` seconds (then
+    dtype) each) in `jobs` persistent workers; `on_done(point, entries, records, wall_s, split)` as
+    each point ends (`split`: harness.timing.split's shares and program counts; None for a point
+    that crashed or timed out). A worker that dies, or runs one point longer than `timeout` seconds (then
     it is killed), is replaced; the point runs again with the call it was in poisoned (up to
-    MAX_RERUNS times), or, if it died outside any call, gets `error` as a whole."""
+    MAX_RERUNS times), or, if it died outside any call, gets `error` as a whole. `started`: workers
+    of `spawn` (same `init`) to use first; every one is ended when this returns."""
     pending = deque(deque(g) for g in groups if g)
+    started = list(started)
     poison: dict[tuple[str, str], str] = {}
     reruns: dict = {}
     slots: list[tuple[_Worker, deque]] = []
     try:
         for _ in range(min(jobs, len(pending))):
-            slots.append((_start({**init, "poison": poison}), pending.popleft()))
+            w = _ready(started.pop(0)) if started else _start({**init, "poison": poison})
+            slots.append((w, pending.popleft()))
         while slots:
             for i, (w, queue) in enumerate(list(slots)):
                 if w.task is None:
@@ -311,7 +338,9 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                     elif msg[0] == "done":
                         point, entries = w.task
                         w.task = None
-                        on_done(point, entries, msg[1], msg[2])
+                        split = {**msg[4], "startup": round(w.startup, 3)}
+                        w.startup = 0.0
+                        on_done(point, entries, msg[1], msg[2], split)
                         if msg[3]:  # it ran out of memory: a fresh one takes its next point
                             w.kill()
                             slots[i] = (_start({**init, "poison": poison}), queue) if queue or pending else None
@@ -330,13 +359,14 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                     reruns[point] = tries + 1
                     queue.appendleft(w.task)
                 else:
-                    on_done(point, entries, _error_records(entries, line), elapsed)
+                    on_done(point, entries, _error_records(entries, line), elapsed, None)
                 slots[i] = (_start({**init, "poison": poison}), queue) if queue or pending else None
             slots = [s for s in slots if s is not None]
     finally:
         for slot in slots:
             if slot is not None:
                 slot[0].kill()
+        kill(started)  # started but not needed
 
 
 # --------------------------------------------------------------------------- outside a worker

@@ -244,11 +244,25 @@ def parity_section(report: Path) -> list[str]:
            f"(sum over points in their workers {points.get('wall_sum_s')} s); time limit {data.get('timeout_s'):g} s "
            "per point",
            "- slowest points: " + "; ".join(f"{label} {wall:.1f} s" for label, wall in points.get("slowest", [])),
+           *_split_lines(data),
            f"- {summary['headroom']['above_half']} checks above ratio 0.5", "",
            "Worst error/bound ratio per teacher, quantity kind and dtype (<= 1 passes; 0.5 in bfloat16 or "
            "float16 is JAX rounding exactly as torch does, since the bound is twice torch's error):", "",
            *_table(["teacher", "kind", *dtypes], rows), ""]
     return out
+
+
+def _split_lines(data: dict) -> list[str]:
+    """The run's time split and what its caches served (reports of schema 6 on)."""
+    split, cache = data.get("points", {}).get("time_split_s"), data.get("cache")
+    if not split or cache is None:
+        return []
+    whole = sum(split.values()) or 1.0
+    return [f"- time split, summed over the points in their workers: "
+            + ", ".join(f"{k} {v:.1f} s ({100 * v / whole:.0f}%)" for k, v in split.items()),
+            f"- programs {cache.get('programs_loaded', 0)} loaded from the compilation cache, "
+            f"{cache.get('programs_compiled', 0)} compiled; live references {cache.get('references_loaded', 0)} "
+            f"loaded, {cache.get('references_computed', 0)} computed"]
 
 
 def write(report: Path) -> str:

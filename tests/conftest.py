@@ -1,15 +1,17 @@
-"""Shared test set-up: JAX 64-bit mode (the float64 oracle needs it), one persistent XLA
-compilation cache per test run, and the sharded slice kept out of the main process.
+"""Shared test set-up: JAX 64-bit mode (the float64 oracle needs it), one persistent cache
+directory per test run, and the sharded slice kept out of the main process.
 
-The compilation cache: the CLI and workflow tests start `csa-parity` processes that compile
-programs this process has already compiled (tiny, packed and small points of the same
-configs and shapes). The process that loads this file first (pytest itself, or the xdist
-controller) creates one cache directory and exports it (JAX_COMPILATION_CACHE_DIR, read when
-jax is imported); xdist workers and every subprocess inherit it, so a program compiled once
-in the run is loaded, not compiled, after that. The cache is keyed by the compiled HLO and
+The cache: the CLI and workflow tests start `csa-parity` processes that compile programs this
+process has already compiled (tiny, packed and small points of the same configs and shapes).
+The process that loads this file first (pytest itself, or the xdist controller) creates one
+directory and exports it twice: CSA_PARITY_CACHE_DIR (where `csa-parity run` keeps its caches,
+the compilation cache in its `xla/`) and JAX_COMPILATION_CACHE_DIR (that same `xla/`, read when
+jax is imported, for this process and the mutation workers). xdist workers and every
+subprocess inherit both, so a program compiled once in the run is loaded, not compiled, after
+that, and no test writes to the user's own cache. JAX keys the cache by the compiled HLO and
 the JAX/XLA version and flags, so a mutated jax_impl copy only reuses programs its mutation
-leaves unchanged. It is removed when the run ends. CSA_PARITY_XLA_CACHE=DIR keeps one
-across runs instead; CSA_PARITY_XLA_CACHE=off turns it off (to measure what it saves).
+leaves unchanged. It is removed when the run ends. CSA_PARITY_XLA_CACHE=DIR keeps one across
+runs instead; CSA_PARITY_XLA_CACHE=off turns the in-process one off (to measure what it saves).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import harness  # noqa: E402,F401  (pins torch's CPU kernels, harness.TORCH_CPU_
 
 def _share_one_compilation_cache() -> None:
     wanted = os.environ.get("CSA_PARITY_XLA_CACHE", "")
-    if wanted == "off" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if wanted == "off" or os.environ.get("CSA_PARITY_CACHE_DIR") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return  # off, or inherited from the process that started this run (or set by the user)
     if wanted:
         os.makedirs(wanted, exist_ok=True)
@@ -37,7 +39,8 @@ def _share_one_compilation_cache() -> None:
         path = tempfile.mkdtemp(prefix="csa-parity-xla-cache-")
         owner = os.getpid()
         atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["CSA_PARITY_CACHE_DIR"] = path
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(path, "xla")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however quick
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2**32)  # a size limit turns on JAX's file lock

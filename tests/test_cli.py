@@ -38,7 +38,7 @@ def test_run_writes_reports_and_passes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tiny" in proc.stdout and "0 failed" in proc.stdout
     data = json.loads((out / "parity.json").read_text())
-    assert data["schema_version"] == 5 and data["reference"] == "live"
+    assert data["schema_version"] == 6 and data["reference"] == "live"
     statuses = data["summary"]["statuses"]
     assert list(statuses) == ["passed", "failed", "excused", "not_provided", "not_applicable", "error"]
     assert sum(statuses.values()) == data["summary"]["checks"] and statuses["failed"] == 0
@@ -85,9 +85,11 @@ def test_a_wrong_plugin_fails_with_exit_1_and_says_where(tmp_path):
         (["--impl", "no_such_pkg.mod:make"], "implementation 'no_such_pkg.mod:make': cannot import module 'no_such_pkg.mod'"),
         (["--impl", "plugins.scaled_loss:nothing"], "implementation 'plugins.scaled_loss:nothing': module 'plugins.scaled_loss' has no 'nothing'"),
         (["--out", "/proc/csa-parity-cannot-write"], "report directory '/proc/csa-parity-cannot-write' is not writable"),
+        (["--cache-dir", "/proc/csa-parity-cannot-write"],
+         "cache directory '/proc/csa-parity-cannot-write' is not writable"),
     ],
     ids=["unknown-case", "ichunk-not-divisor", "tchunk-negative", "bad-dtype", "impl-missing-module",
-         "impl-missing-factory", "unwritable-out"],
+         "impl-missing-factory", "unwritable-out", "unwritable-cache"],
 )
 def test_user_errors_exit_2_with_one_line(args, message, tmp_path):
     proc = _run(["run", "--no-progress", *args], tmp_path)

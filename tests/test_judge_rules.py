@@ -717,7 +717,7 @@ PLUGIN = ("class CSAConfig(dict):\n    from_dict = classmethod(lambda cls, d: cl
           "def indexer_forward(params, inputs, cfg, dtype):\n    raise NotImplementedError\n")
 
 
-def _run_points_here(groups, reference, profile, init, jobs, timeout, on_done):
+def _run_points_here(groups, reference, profile, init, jobs, timeout, on_done, started=()):
     """The CLI's workers, in this process (so the patched evaluation below is the one run)."""
     for group in groups:
         for point, entries in group:
@@ -750,6 +750,7 @@ def test_cli_exit_code_follows_every_status(status, tmp_path, monkeypatch):
 
     monkeypatch.setattr(collect_module, "evaluate", evaluate)
     monkeypatch.setattr(worker_module, "run_points", _run_points_here)
+    monkeypatch.setattr(worker_module, "spawn", lambda init, n: [])  # no worker processes: all runs here
     monkeypatch.setattr(cli, "_init_worker", lambda precision, fixtures_dir: None)
     monkeypatch.setattr(cli, "platform_info", lambda precision, reference: {"backend": "cpu", "device_kind": "cpu"})
     monkeypatch.setattr(report_module, "heatmap", lambda records, path, summary=None: None)  # a picture, no verdict

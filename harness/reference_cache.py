@@ -1,0 +1,143 @@
+"""The live reference's outputs kept on disk between `csa-parity run`s.
+
+torch_ref computes the same outputs for the same fixture whatever the implementation under test
+does, so a rerun reads them back instead of starting torch (its import and its deterministic
+mode cost a worker seconds; a large case's float64 backward more). An entry is keyed by
+everything its values follow from: the fixture file's bytes (sha256), the point's dtype and
+teacher, the loss variants, the source of torch_ref and of the harness modules that call it
+and name its outputs, the versions of torch, numpy, ml_dtypes and Python, the machine and
+torch's CPU kernel choice (ATEN_CPU_CAPABILITY). A change to any of them is another key, so a
+stale entry is never read: it is left to age out (least recently used first, above
+MAX_BYTES).
+
+Off unless `use(root)` named a cache directory (the CLI's workers do; pytest does not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import pickle
+import platform
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+MAX_BYTES = 256 << 20  # the whole matrix's references take about as much as its fixtures, ~20 MB
+_ROOT: Path | None = None
+_HARNESS = Path(__file__).resolve().parent
+# The code that decides a cached value: the reference package (wherever it is imported from) and
+# the harness modules that call it and map its results to canonical names, and the vocabulary
+# those names come from.
+HARNESS_SOURCES = ("implementations.py", "outputs.py", "compare.py")
+
+
+def use(root: str | None) -> None:
+    """Read and write entries under `root`/reference (None: off)."""
+    global _ROOT
+    _ROOT = None if root is None else Path(root) / "reference"
+
+
+def enabled() -> bool:
+    return _ROOT is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _file_sha(path: str, size: int, mtime_ns: int) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def file_sha(path: Path) -> str:
+    st = path.stat()
+    return _file_sha(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def sources_sha() -> str:
+    """sha256 over the source files of the torch_ref package this process imports (found, not
+    imported: torch stays unloaded) and of HARNESS_SOURCES."""
+    spec = importlib.util.find_spec("torch_ref")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("torch_ref cannot be found: the live reference needs it")
+    package = Path(list(spec.submodule_search_locations)[0])
+    files = [("torch_ref", f) for f in sorted(package.rglob("*.py"))]
+    files += [("harness", _HARNESS / name) for name in HARNESS_SOURCES]
+    h = hashlib.sha256()
+    for root, f in files:
+        name = f.relative_to(package) if root == "torch_ref" else f.name
+        h.update(f"{root}/{name}".encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "absent"
+
+
+def key_parts(fixture_path: Path, dtype: str, teacher: str, variants) -> dict:
+    """Everything a cached reference output follows from (its key is their sha256)."""
+    return {"fixture_sha256": file_sha(fixture_path), "dtype": dtype, "teacher": teacher,
+            "variants": list(variants), "sources_sha256": sources_sha(), "torch": _version("torch"),
+            "numpy": _version("numpy"), "ml_dtypes": _version("ml_dtypes"), "python": sys.version,
+            "machine": platform.machine(), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "")}
+
+
+def key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def load(k: str):
+    """The value stored under key `k`, or None."""
+    path = _ROOT / f"{k}.pickle"
+    try:
+        with open(path, "rb") as f:
+            value = pickle.load(f)
+    except Exception:  # absent, or unreadable (damaged, or written by another numpy): computed again
+        return None
+    with contextlib.suppress(OSError):  # recently used (unless another process removed it meanwhile)
+        os.utime(path)
+    return value
+
+
+def store(k: str, value) -> None:
+    """Store `value` under key `k` (written whole, then renamed), then trim to MAX_BYTES."""
+    _ROOT.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=_ROOT, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, _ROOT / f"{k}.pickle")
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _trim()
+
+
+def _trim() -> None:
+    for p in _ROOT.glob("*.tmp"):  # a worker killed while writing leaves one: gone after an hour
+        try:
+            if time.time() - p.stat().st_mtime > 3600:
+                p.unlink()
+        except OSError:
+            pass
+    entries = []
+    for p in _ROOT.glob("*.pickle"):
+        try:
+            st = p.stat()
+        except OSError:  # removed by another worker meanwhile
+            continue
+        entries.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in entries)
+    for _, size, p in sorted(entries):
+        if total <= MAX_BYTES:
+            break
+        p.unlink(missing_ok=True)
+        total -= size
