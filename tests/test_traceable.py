@@ -160,7 +160,7 @@ def test_layer_params_are_what_an_optax_optimizer_trains(problem):
 def test_the_quantized_layer_trains_under_jit_and_vmap(problem):
     """DeepSeek-V4's FP4 indexer (SPEC section 7a) in miniature: nnx.jit of a training step
     lowers the loss through the straight-through gradient (every parameter gets one), and the
-    forward vmaps over problems to the same scores and codes as one problem alone."""
+    forward vmaps over problems to the scores (up to summation order) and codes of one problem alone."""
     params, inputs = problem
     cfg = dataclasses.replace(CFG, index_quant={"format": "e2m1", "block": 8, "hadamard": True})
     model = jax_impl.CSAIndexer(cfg, dtype="bfloat16", rngs=nnx.Rngs(0))
@@ -182,8 +182,9 @@ def test_the_quantized_layer_trains_under_jit_and_vmap(problem):
     one = jax_impl.indexer_forward(params, inputs, cfg, "float32")
     many = jax.vmap(lambda x: jax_impl.indexer_forward(params, x, cfg, "float32"))(
         jax.tree.map(lambda a: np.stack([a, a]), inputs))
-    for name in ("index_scores", "query_codes", "key_codes", "query_scales", "key_scales"):
-        for i in range(2):
+    for i in range(2):  # another program: the scores up to float32 summation order, the same codes
+        close(many["index_scores"][i], one["index_scores"], "index_scores")
+        for name in ("query_codes", "key_codes", "query_scales", "key_scales"):
             np.testing.assert_array_equal(np.asarray(many[name][i]), np.asarray(one[name]), err_msg=name)
 
 
