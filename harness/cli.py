@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="which chunk points the matrix samples (harness/matrix.py): default, ci (the "
                      "subset `make test` runs) or full (the whole chunk cross product, slow)")
     run.add_argument("--full", action="store_true", help="the same as --sample full")
-    run.add_argument("--impl", default="jax", help="'jax' or a plug-in 'package.module[:factory]'")
+    run.add_argument("--impl", default="jax",
+                     help="'jax' or a plug-in 'package.module[:factory]', imported from the current directory "
+                          "first (as `python -m` does), then from the installed packages")
     run.add_argument("--reference", default="live", choices=["live", "goldens"],
                      help="live torch_ref (default) or the fixture goldens (JAX-only, no torch)")
     run.add_argument("--precision", default="highest", choices=["highest", "default"],
