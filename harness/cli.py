@@ -43,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--qchunks", type=_csv(int), help="query chunk sizes, 0 = all rows (default: the sampled set)")
     run.add_argument("--modes", type=_csv(str), help="forward,dense,sparse (default: all)")
     run.add_argument("--teachers", type=_csv(str),
-                     help="joint,compressed: the loss's teacher (default: both; compressed on the cases "
-                          "whose fixture holds its goldens)")
+                     help="joint,compressed: the loss's teacher (default: both, on every case)")
     run.add_argument("--backends", type=_csv(str), default=["xla"],
                      help="xla,pallas: jax_impl's scoring backends (default: xla; pallas runs its own sample "
                           "of points, harness/matrix.py; off TPU the Pallas kernels run in interpret mode)"),

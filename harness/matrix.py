@@ -358,7 +358,7 @@ def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None
     """All entries. None = the sample's choice (`sample`: ci, default or full); explicit
     `ichunks` / `tchunks` / `qchunks` replace the sampled chunk points of every case by their
     cross product (a missing one counts as [0]). `teachers` (default: both) picks the teachers;
-    the compressed one runs only on the cases that hold its goldens. `backends` (default: xla)
+    each runs on the cases that hold its goldens (every case: Case.teachers). `backends` (default: xla)
     picks the scoring backends; pallas runs its own sample (`pallas_points`), or the explicit
     chunks. tests/test_parity_matrix.py asks for both; `csa-parity run --backends xla,pallas`."""
     for t in teachers or ():
