@@ -97,7 +97,7 @@ def _check_query_chunks(chunks) -> None:
 
 def _validate_run_args(args, listing: bool = False) -> None:
     from .cases import CASES, TEACHERS, get_case
-    from .implementations import load_implementation
+    from .implementations import BUILTINS, load_implementation
     from .matrix import DTYPES
     from .outputs import MODES
 
@@ -117,7 +117,8 @@ def _validate_run_args(args, listing: bool = False) -> None:
         _check_chunks(name, "indexer_head_chunk", "index_n_heads", args.ichunks)
         _check_chunks(name, "loss_head_chunk", "num_query_heads", args.tchunks)
     _check_query_chunks(args.qchunks)
-    load_implementation(args.impl)
+    if not (listing and args.impl in BUILTINS):  # --list of the built-in side needs no JAX
+        load_implementation(args.impl)
     # Load (and so validate) every selected fixture here, before the workers and the
     # progress bar start: a damaged fixture is one line on stderr, nothing else.
     from .fixtures import load_case
@@ -197,10 +198,12 @@ def platform_info(precision: str, reference: str) -> dict:
 def _stage_entries(entries, impl: str):
     """A stage plug-in runs native points only (chunks are the pipeline's knobs): every
     matrix entry there (reported not provided, counted) plus its stage's entries."""
-    from .implementations import StageImplementation, load_implementation
+    from .implementations import BUILTINS, StageImplementation, load_implementation
     from .matrix import Entry
     from .outputs import STAGE_MODE, stage_quantities
 
+    if impl in BUILTINS:
+        return entries
     api = load_implementation(impl)
     if not isinstance(api, StageImplementation):
         return entries
