@@ -273,14 +273,14 @@ def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
 # goldens, Case.teachers). default: the native point in every dtype, the combined point in
 # float32, bfloat16 and float64. ci: the native point in one dtype per case (COMPRESSED_CI, the
 # four dtypes spread over the catalogue: 4 or 5 cases each, float64 on the layouts whose semantics
-# a shortcut gets wrong first: ragged rows, exact ties, packed document edges), and the combined
-# point on two cases, in their native dtype (its chunk checks compare with that point). A case
-# missing from COMPRESSED_CI is an error (tests/test_matrix_samples.py).
+# a shortcut gets wrong first: ragged rows, exact ties, packed document edges, YaRN past 65536),
+# and the combined point on two cases, in their native dtype (its chunk checks compare with that
+# point). A case missing from COMPRESSED_CI is an error (tests/test_matrix_samples.py).
 COMPRESSED_CI = {
-    "tiny": "float64", "small": "bfloat16", "packed": "float32", "ragged": "float64", "no_blocks": "float16",
+    "tiny": "float16", "small": "bfloat16", "packed": "float32", "ragged": "float64", "no_blocks": "float16",
     "all_invalid": "bfloat16", "topk_wide": "float32", "ties": "float64", "flash_dims": "bfloat16",
     "window_only": "float16", "sink_only": "float32", "window_one": "bfloat16", "window_wide": "float16",
-    "window_heavy": "float32", "teacher_gap": "float64", "yarn_tail": "float16", "packed_edges": "float64",
+    "window_heavy": "float32", "teacher_gap": "float64", "yarn_tail": "float64", "packed_edges": "float64",
 }
 COMPRESSED_COMBINED = {"ci": {"small": ("bfloat16",), "teacher_gap": ("float64",)},
                        "default": {case: ("float32", "bfloat16", "float64") for case in CASES}}
