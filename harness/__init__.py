@@ -2,13 +2,22 @@
 
 import os
 
-# torch's CPU kernels choose their SIMD width once per process, at the first operation
-# (ATEN_CPU_CAPABILITY, else the widest the CPU has), and a float32 reduction's order, so its
-# rounding, follows that width: on one AVX512 machine the fixtures' float32 order-error goldens
-# came out up to 4x off the committed ones (`ATEN_CPU_CAPABILITY=avx512
-# scripts/regenerate_fixtures.py --check` lists them). The committed fixtures were generated with
-# AVX2, which every x86-64 machine with AVX512 also has, so every process that imports the
-# harness computes with it unless the user chose otherwise; harness.regenerate notes a process
-# that does not.
+# torch's CPU kernels choose their instruction set once per process, at their first use, and a
+# float32 or bfloat16 sum's order, so its rounding, follows that choice. Three libraries choose
+# for themselves, each from its own variable, each by default the widest the CPU has:
+# - ATen's own kernels (ATEN_CPU_CAPABILITY): on one AVX512 machine the fixtures' float32
+#   order-error goldens came out up to 4x off the committed ones;
+# - oneDNN (ONEDNN_MAX_CPU_ISA), which computes the bfloat16 matmuls wherever the CPU has
+#   AVX512-BF16 or AMX, whatever ATEN_CPU_CAPABILITY says: on such a CPU bfloat16 goldens moved
+#   by up to 1.2e-2 relative (ties, topk_wide, flash_dims);
+# - MKL (MKL_ENABLE_INSTRUCTIONS), the BLAS of the float64 and float32 matmuls: its AVX512
+#   kernels round other than its AVX2 ones, the float64 oracle included.
+# The committed fixtures are generated with AVX2 in all three, which every x86-64 machine with
+# AVX512 also has, so every process that imports the harness computes with it unless the user
+# set a variable (`ATEN_CPU_CAPABILITY=avx512 scripts/regenerate_fixtures.py --check` lists what
+# AVX512 changes); harness.regenerate notes a process that does not.
 TORCH_CPU_CAPABILITY = "AVX2"
-os.environ.setdefault("ATEN_CPU_CAPABILITY", TORCH_CPU_CAPABILITY.lower())
+CPU_PINS = {"ATEN_CPU_CAPABILITY": TORCH_CPU_CAPABILITY.lower(), "ONEDNN_MAX_CPU_ISA": TORCH_CPU_CAPABILITY,
+            "MKL_ENABLE_INSTRUCTIONS": TORCH_CPU_CAPABILITY}
+for _name, _value in CPU_PINS.items():
+    os.environ.setdefault(_name, _value)

@@ -61,8 +61,8 @@ CONFIG_FIELDS: tuple[tuple[str, Any], ...] = (
 # never part of a case or its fixture (they change how a result is computed, not what it is).
 KNOB_DEFAULTS: dict[str, Any] = {"indexer_head_chunk": 0, "loss_head_chunk": 0, "query_chunk": 0,
                                  "sparse_loss": False, "teacher_normaliser": "joint"}
-# The teachers a fixture can hold goldens for (SPEC section 8): `joint` (every case) and
-# `compressed` (the cases that list it in `Case.teachers`).
+# The teachers a fixture can hold goldens for (SPEC section 8), each on every case
+# (`Case.teachers`): `joint` (DeepSeek-V4's attention) and `compressed` (MaxText's).
 TEACHERS = ("joint", "compressed")
 # DeepSeek-V4's compressed layers (and so its indexer): YaRN from 65,536 positions, factor 16.
 V4_YARN = {"type": "yarn", "factor": 16, "original_max_position": 65536, "beta_fast": 32, "beta_slow": 1}
@@ -112,8 +112,9 @@ class Case:
     window_scale: float = 1.0
     # Positions start here (one document per row): a tail of a long document.
     position_offset: int = 0
-    # The teachers whose goldens the fixture holds (TEACHERS; joint always).
-    teachers: tuple[str, ...] = ("joint",)
+    # The teachers whose goldens the fixture holds (TEACHERS; joint always): both on every case,
+    # since each teacher applies to every problem; a teacher that did not would be left out here.
+    teachers: tuple[str, ...] = TEACHERS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", MappingProxyType(full_config(**dict(self.config))))
@@ -209,15 +210,14 @@ _CATALOGUE = (
     Case("tiny", full_config(emb_dim=16, q_lora_rank=16, index_n_heads=2, index_head_dim=8,
                              rope_head_dim=4, compress_ratio=4, index_topk=2,
                              num_query_heads=2, head_dim=8, sliding_window=4),
-         batch=1, seq_len=16, seed=1001, teachers=("joint", "compressed"),
+         batch=1, seq_len=16, seed=1001,
          exercises="the smallest problem with blocks and a top-k boundary: W=4 blocks, k=2, "
                    "queries with 0..4 valid blocks; a window of 4 tokens and a sink"),
     Case("small", _foundation(sliding_window=8), batch=2, seq_len=64, seed=1002,
-         teachers=("joint", "compressed"),
          exercises="the foundation config (B=2, S=64, E=64, R=32, HI=8, DI=32, DR=16, m=4, k=4, "
                    "H=8, D=32), unpacked, with a window of 8 tokens and a sink"),
     Case("packed", _foundation(sliding_window=16), batch=2, seq_len=64, seed=1003,
-         documents=((21, 43), (32, 13, 19)), teachers=("joint", "compressed"),
+         documents=((21, 43), (32, 13, 19)),
          exercises="packed rows of 2 and 3 documents of unequal length: positions restart, "
                    "segment ids change mid-row, blocks 5 (row 0) and 11 (row 1) straddle a "
                    "boundary (never valid), row 1's document at token 32 starts on a block "
@@ -273,7 +273,7 @@ _CATALOGUE = (
                    "the compressed probabilities are small before the renormalisation (precision "
                    "of the joint normaliser in every dtype)"),
     Case("teacher_gap", _teacher(sliding_window=6), batch=2, seq_len=32, seed=1015,
-         sink=(0.0, 4.0), teachers=("joint", "compressed"),
+         sink=(0.0, 4.0),
          exercises="sinks spread over heads (std 4): some heads spend almost nothing on the "
                    "blocks, others almost everything, so the joint and the compressed teacher "
                    "differ by a wide margin (the compressed teacher fails the joint loss checks here)"),

@@ -43,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--qchunks", type=_csv(int), help="query chunk sizes, 0 = all rows (default: the sampled set)")
     run.add_argument("--modes", type=_csv(str), help="forward,dense,sparse (default: all)")
     run.add_argument("--teachers", type=_csv(str),
-                     help="joint,compressed: the loss's teacher (default: both; compressed on the cases "
-                          "whose fixture holds its goldens)")
+                     help="joint,compressed: the loss's teacher (default: both, on every case)")
     run.add_argument("--backends", type=_csv(str), default=["xla"],
                      help="xla,pallas: jax_impl's scoring backends (default: xla; pallas runs its own sample "
                           "of points, harness/matrix.py; off TPU the Pallas kernels run in interpret mode)"),
@@ -52,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="which chunk points the matrix samples (harness/matrix.py): default, ci (the "
                      "subset `make test` runs) or full (the whole chunk cross product, slow)")
     run.add_argument("--full", action="store_true", help="the same as --sample full")
-    run.add_argument("--impl", default="jax", help="'jax' or a plug-in 'package.module[:factory]'")
+    run.add_argument("--impl", default="jax",
+                     help="'jax' or a plug-in 'package.module[:factory]', imported from the current directory "
+                          "first (as `python -m` does), then from the installed packages")
     run.add_argument("--reference", default="live", choices=["live", "goldens"],
                      help="live torch_ref (default) or the fixture goldens (JAX-only, no torch)")
     run.add_argument("--precision", default="highest", choices=["highest", "default"],
@@ -142,9 +143,10 @@ def _check_sources(args, listing: bool = False) -> None:
     is writable."""
     from .cases import CASES
     from .fixtures import load_case
-    from .implementations import load_implementation
+    from .implementations import BUILTINS, load_implementation
 
-    load_implementation(args.impl)
+    if not (listing and args.impl in BUILTINS):  # --list of the built-in side needs no JAX
+        load_implementation(args.impl)
     for name in args.cases or list(CASES):
         load_case(name, os.environ.get("CSA_PARITY_FIXTURES") or None)
     if not listing:  # --list writes nothing
@@ -220,10 +222,12 @@ def platform_info(precision: str, reference: str) -> dict:
 def _stage_entries(entries, impl: str):
     """A stage plug-in runs native points only (chunks are the pipeline's knobs): every
     matrix entry there (reported not provided, counted) plus its stage's entries."""
-    from .implementations import StageImplementation, load_implementation
+    from .implementations import BUILTINS, StageImplementation, load_implementation
     from .matrix import Entry
     from .outputs import STAGE_MODE, stage_quantities
 
+    if impl in BUILTINS:
+        return entries
     api = load_implementation(impl)
     if not isinstance(api, StageImplementation):
         return entries

@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import importlib
 import os
+import sys
 from typing import Any, Mapping
 
 import numpy as np
@@ -221,16 +222,30 @@ class ProtocolImplementation:
         return Outputs(f"{self.name} mesh {mesh_text(point.mesh)}", values, self.missing(point))
 
 
+def importable_from_cwd() -> str:
+    """Put the current directory first on sys.path, as `python -m` and pytest do, unless it is
+    there already (as '' or by name): a plug-in's `package.module` then resolves from where the
+    command runs (`csa-parity run --impl examples.scores_kernel` from the repository root), then
+    from the installed packages. Worker processes start with this sys.path. Returns the directory."""
+    cwd = os.getcwd()
+    if "" not in sys.path and not any(os.path.abspath(p) == cwd for p in sys.path if p):
+        sys.path.insert(0, cwd)
+    return cwd
+
+
 def load_implementation(spec: str) -> ProtocolImplementation:
     """`jax` (built-in), `package.module` (the module itself) or `package.module:factory`
-    (the object `factory()` returns)."""
+    (the object `factory()` returns). A plug-in's module is imported from the current
+    directory first, then from the installed packages (`importable_from_cwd`)."""
     target = BUILTINS.get(spec, spec)
     module_name, _, factory = target.partition(":")
+    cwd = importable_from_cwd() if spec not in BUILTINS else None
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or anything the module raises on import
+        where = f" (looked in the current directory {cwd} and the installed packages)" if cwd else ""
         raise ImplementationError(
-            f"implementation {spec!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
+            f"implementation {spec!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}){where}; "
             f"expected 'jax' or 'package.module[:factory]'"
         ) from None
     api = module
@@ -248,7 +263,11 @@ def load_implementation(spec: str) -> ProtocolImplementation:
         if not callable(getattr(api, stage, None)):
             raise ImplementationError(f"implementation {spec!r} declares STAGE={stage!r} but has no function "
                                       f"{stage}({', '.join(STAGE_INPUTS[stage])})")
-        return StageImplementation(spec, api, stage)
+        arrays = getattr(api, "ARRAYS", STAGE_ARRAYS[0])
+        if arrays not in STAGE_ARRAYS:
+            raise ImplementationError(f"implementation {spec!r}: ARRAYS={arrays!r} is not an array kind the harness "
+                                      f"hands a stage (valid: {', '.join(STAGE_ARRAYS)}; default jax)")
+        return StageImplementation(spec, api, stage, arrays)
     if lacking or not entry_points:
         missing = lacking + ([] if entry_points else ["indexer_forward or indexer_loss_and_grads"])
         raise ImplementationError(
@@ -259,6 +278,12 @@ def load_implementation(spec: str) -> ProtocolImplementation:
 
 
 # --------------------------------------------------------------------------- stage plug-ins
+
+# What a stage plug-in's function is handed (its `ARRAYS`, default the first): `jax` arrays on JAX's
+# default device of the process it runs in, the same arrays in its forward call and under jax.vjp;
+# or `numpy` host arrays (a plug-in that is not written in JAX; its gradient is taken only when it
+# returns a JAX array).
+STAGE_ARRAYS = ("jax", "numpy")
 
 
 def stage_cotangent(shape) -> np.ndarray:
@@ -297,13 +322,15 @@ class StageImplementation:
     -> [B, S, W]`. At a point of dtype t it is given the live reference's own stage inputs at t
     (q after RoPE [B, S, HI, DI] and K [B, W, DI] holding their dtype-t values, w [B, S, HI];
     all as wide-dtype arrays, which is what the reference's stage computes with) and returns
-    the unmasked scores in the wide dtype. When it returns a JAX array its gradient with respect
-    to the three inputs is taken with jax.vjp and the harness's fixed cotangent. Every other
-    quantity is not provided."""
+    the unmasked scores in the wide dtype. The inputs are JAX arrays on JAX's default device,
+    in the forward call and under jax.vjp alike, unless the plug-in says `ARRAYS = "numpy"`
+    (STAGE_ARRAYS). When it returns a JAX array its gradient with respect to the three inputs is
+    taken with jax.vjp and the harness's fixed cotangent. Every other quantity is not provided."""
 
     name: str
     api: Any
     stage: str
+    arrays: str = STAGE_ARRAYS[0]
 
     def missing(self) -> dict[str, str]:
         why = f"{self.name} provides only the {self.stage} stage"
@@ -314,6 +341,10 @@ class StageImplementation:
             return Outputs(self.name, not_applicable=f"{self.name} is a stage plug-in: no sharded runs")
         inputs = reference_stage_values(problem, point.dtype)
         args = [inputs[f"input.{n}"] for n in STAGE_INPUTS[self.stage]]
+        if self.arrays == "jax":  # on JAX's default device; the forward call and jax.vjp get the same arrays
+            import jax
+
+            args = [jax.device_put(a) for a in args]
         fn = getattr(self.api, self.stage)
         expected = inputs[f"stage.{self.stage}"].shape
         out_name, grad_prefix = f"stage.{self.stage}", f"stage_grad.{self.stage}."
@@ -335,7 +366,7 @@ class StageImplementation:
                 import jax
                 import jax.numpy as jnp
 
-                primal, pullback = jax.vjp(fn, *(jnp.asarray(a) for a in args))
+                primal, pullback = jax.vjp(fn, *(a if isinstance(a, jax.Array) else jnp.asarray(a) for a in args))
                 ct = jnp.asarray(stage_cotangent(expected), primal.dtype)
                 return {f"{grad_prefix}{n}": to_numpy(g) for n, g in zip(STAGE_INPUTS[self.stage], pullback(ct))}
 

@@ -269,11 +269,19 @@ def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
     return sorted(set(points))
 
 
-# The compressed teacher's sample (docs/matrix.md): its points on the cases whose fixture holds its
-# goldens (Case.teachers). default: the native point in every dtype, the combined point in
-# float32, bfloat16 and float64. ci: the native point in float64 and bfloat16, and the combined
-# point on two cases, in one of those (so its native point of the same dtype is in the sample).
-COMPRESSED_NATIVE = {"ci": ("float64", "bfloat16"), "default": DTYPES}
+# The compressed teacher's sample (docs/matrix.md): its points on every case (each holds its
+# goldens, Case.teachers). default: the native point in every dtype, the combined point in
+# float32, bfloat16 and float64. ci: the native point in one dtype per case (COMPRESSED_CI, the
+# four dtypes spread over the catalogue: 4 or 5 cases each, float64 on the layouts whose semantics
+# a shortcut gets wrong first: ragged rows, exact ties, packed document edges, YaRN past 65536),
+# and the combined point on two cases, in their native dtype (its chunk checks compare with that
+# point). A case missing from COMPRESSED_CI is an error (tests/test_matrix_samples.py).
+COMPRESSED_CI = {
+    "tiny": "float16", "small": "bfloat16", "packed": "float32", "ragged": "float64", "no_blocks": "float16",
+    "all_invalid": "bfloat16", "topk_wide": "float32", "ties": "float64", "flash_dims": "bfloat16",
+    "window_only": "float16", "sink_only": "float32", "window_one": "bfloat16", "window_wide": "float16",
+    "window_heavy": "float32", "teacher_gap": "float64", "yarn_tail": "float64", "packed_edges": "float64",
+}
 COMPRESSED_COMBINED = {"ci": {"small": ("bfloat16",), "teacher_gap": ("float64",)},
                        "default": {case: ("float32", "bfloat16", "float64") for case in CASES}}
 
@@ -286,7 +294,11 @@ def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tu
         return []
     if sample == "full":
         return chunk_points(case, dtype, sample)
-    points = [(0, 0, 0)] if dtype in COMPRESSED_NATIVE[sample] else []
+    if sample == "ci" and case not in COMPRESSED_CI:
+        raise ValueError(f"case={case!r} has no entry in harness.matrix.COMPRESSED_CI (the ci sample's dtype of "
+                         "the compressed teacher per case): add one")
+    native = DTYPES if sample == "default" else (COMPRESSED_CI[case],)
+    points = [(0, 0, 0)] if dtype in native else []
     if dtype in COMPRESSED_COMBINED[sample].get(case, ()):
         points.append((*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1]))
     return points
@@ -346,7 +358,7 @@ def build_matrix(cases=None, dtypes=None, ichunks=None, tchunks=None, modes=None
     """All entries. None = the sample's choice (`sample`: ci, default or full); explicit
     `ichunks` / `tchunks` / `qchunks` replace the sampled chunk points of every case by their
     cross product (a missing one counts as [0]). `teachers` (default: both) picks the teachers;
-    the compressed one runs only on the cases that hold its goldens. `backends` (default: xla)
+    each runs on the cases that hold its goldens (every case: Case.teachers). `backends` (default: xla)
     picks the scoring backends; pallas runs its own sample (`pallas_points`), or the explicit
     chunks. tests/test_parity_matrix.py asks for both; `csa-parity run --backends xla,pallas`."""
     for t in teachers or ():

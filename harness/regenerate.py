@@ -35,7 +35,7 @@ from .implementations import Problem, TorchReference
 from .matrix import Point
 from .outputs import PARAM_NAMES
 from .tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL, ORDERR_CHECK_FACTOR
-from . import TORCH_CPU_CAPABILITY
+from . import CPU_PINS, TORCH_CPU_CAPABILITY
 
 
 def _versions() -> dict[str, str]:
@@ -60,15 +60,21 @@ def _versions() -> dict[str, str]:
 
 def cpu_capability_note() -> str | None:
     """A line when torch computes with other CPU kernels than the committed fixtures were
-    generated with (harness.TORCH_CPU_CAPABILITY): float32 goldens then differ in rounding."""
+    generated with (harness.CPU_PINS: ATen's kernels, oneDNN's and MKL's instruction sets):
+    goldens then differ in rounding."""
     import torch
 
     used = torch.backends.cpu.get_cpu_capability()
-    if used == TORCH_CPU_CAPABILITY:
+    others = [f"{name}={os.environ.get(name, '(unset)')}" for name, value in CPU_PINS.items()
+              if name != "ATEN_CPU_CAPABILITY" and os.environ.get(name, "").upper() != value.upper()]
+    if used == TORCH_CPU_CAPABILITY and not others:
         return None
-    return (f"torch computes with CPU capability {used}, the committed fixtures with "
-            f"{TORCH_CPU_CAPABILITY}: float32 goldens (order errors above all) round differently; "
-            f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')} in this process")
+    if used != TORCH_CPU_CAPABILITY:
+        return (f"torch computes with CPU capability {used}, the committed fixtures with "
+                f"{TORCH_CPU_CAPABILITY}: float32 goldens (order errors above all) round differently; "
+                f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')} in this process")
+    return (f"{', '.join(others)} in this process, the committed fixtures were generated with "
+            f"{TORCH_CPU_CAPABILITY} (harness.CPU_PINS): bfloat16 and BLAS goldens may round differently")
 
 
 def golden_tensors(problem: Problem, teachers=("joint",)) -> dict[str, np.ndarray]:

@@ -5,7 +5,9 @@
 - every loader error, triggered on a damaged copy, says what is wrong and how to fix it;
 - the goldens satisfy the invariants that need no second implementation;
 - the float64 reference is invariant under consistent permutations of the heads;
-- importing the harness pins torch's CPU kernels to those the files were generated with.
+- importing the harness pins torch's CPU kernels (ATen's, oneDNN's, MKL's) to those the files
+  were generated with, and a process that would otherwise compute with wider ones regenerates
+  the same bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 import harness
-from harness.cases import CASES, KNOB_FIELDS
+from harness.cases import CASES, KNOB_FIELDS, TEACHERS
 from harness.fixtures import (
     FIXTURES_DIR,
     GOLDEN_DTYPES,
@@ -82,17 +84,69 @@ def _data_offset(path: Path, tensor: str) -> int:
 # --------------------------------------------------------------------------- regeneration
 
 
+# The instruction sets the committed fixtures were generated with, as a user would set them
+# (harness.CPU_PINS sets them in any process that imports the harness, unless set already).
+AVX2_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+# The widest each library takes by default; and two cases whose goldens they move on an AVX512
+# CPU: ties (oneDNN's bfloat16 matmuls where the CPU has AVX512-BF16 or AMX; MKL's float64
+# ones), tiny (MKL's; both teachers).
+WIDEST = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}
+KERNEL_CASES = ("ties", "tiny")
+
+
+def _regenerate_in_a_fresh_process(out: Path, pins: dict, cases=()) -> subprocess.Popen:
+    """scripts/regenerate_fixtures.py in a new process whose environment holds `pins` and no
+    other of the instruction-set variables (AVX2_PINS's names)."""
+    env = {k: v for k, v in os.environ.items() if k not in AVX2_PINS}
+    env.update(pins)
+    args = [a for c in cases for a in ("--case", c)]
+    return subprocess.Popen([sys.executable, "scripts/regenerate_fixtures.py", "--fixtures-dir", str(out), *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
 def test_regenerating_twice_is_byte_identical(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
+    """Here, and in a fresh process whose environment sets none of the instruction-set
+    variables, so that its torch would compute with the widest kernels of the CPU unless
+    importing the harness pins them: the same bytes, and the same as a process that sets AVX2
+    itself. On an AVX512 CPU a process that asks for the widest kernels regenerates other
+    bytes, so there the comparison is between kernels that would otherwise differ."""
+    a, b, pinned, widest = (tmp_path / n for n in ("a", "b", "pinned", "widest"))
+    procs = [_regenerate_in_a_fresh_process(b, {}),
+             _regenerate_in_a_fresh_process(pinned, AVX2_PINS, KERNEL_CASES)]
+    avx512 = "avx512f" in _cpu_flags()
+    if avx512:
+        procs.append(_regenerate_in_a_fresh_process(widest, WIDEST, KERNEL_CASES))
     assert regenerate(fixtures_dir=a, out=io.StringIO()) == 0
-    proc = subprocess.run([sys.executable, "scripts/regenerate_fixtures.py", "--fixtures-dir",
-                           str(b)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    outputs = [_finish(p) for p in procs]
+    assert not outputs[0].startswith("note:"), outputs[0]  # the pins were applied: no capability note
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
     assert names == sorted([f"{n}.safetensors" for n in CASES] + [MANIFEST_NAME])
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    for case in KERNEL_CASES:
+        file = f"{case}.safetensors"
+        assert (pinned / file).read_bytes() == (b / file).read_bytes(), (
+            f"{file}: a process that imports the harness with no instruction-set variable set regenerates "
+            f"other bytes than one that sets {AVX2_PINS}: the harness does not pin them all")
+    if avx512:  # the control: on this CPU the kernels differ when left to choose
+        assert outputs[2].startswith("note:"), outputs[2]
+        assert any((widest / f"{c}.safetensors").read_bytes() != (b / f"{c}.safetensors").read_bytes()
+                   for c in KERNEL_CASES), "the widest kernels regenerate the same bytes: the control shows nothing"
 
 
 def test_regenerate_one_case_keeps_the_others(copy_dir):
@@ -112,12 +166,14 @@ def test_importing_the_harness_pins_torchs_cpu_kernels():
     """A fresh process that imports the harness computes with the kernels the fixtures were
     generated with, whatever the CPU's widest (an AVX512 machine would round float32 goldens
     differently), and regenerate's capability note is then silent."""
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    code = ("import harness, torch; from harness.regenerate import cpu_capability_note; "
-            "print(torch.backends.cpu.get_cpu_capability()); print(cpu_capability_note())")
+    env = {k: v for k, v in os.environ.items() if k not in AVX2_PINS}
+    code = ("import harness, os, torch; from harness.regenerate import cpu_capability_note; "
+            "print(torch.backends.cpu.get_cpu_capability()); print(cpu_capability_note()); "
+            f"print({{k: os.environ.get(k) for k in {sorted(AVX2_PINS)}}})")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    used, note = proc.stdout.split("\n")[:2]
+    used, note, pins = proc.stdout.split("\n")[:3]
+    assert pins == str({k: AVX2_PINS[k] for k in sorted(AVX2_PINS)}) == str(dict(sorted(harness.CPU_PINS.items())))
     assert used == harness.TORCH_CPU_CAPABILITY, (
         f"torch computes with {used}, not {harness.TORCH_CPU_CAPABILITY}: this CPU cannot regenerate "
         "the committed fixtures' float32 goldens byte for byte")
@@ -214,7 +270,23 @@ def test_manifest_and_metadata(fixtures):
         assert md["position_offset"] == str(CASES[name].position_offset)
         assert {"torch_version", "numpy_version", "csa_parity_version"} <= set(md)
         total += len(data)
-    assert total < 30 * 2**20
+    assert total < 40 * 2**20, f"the fixtures take {total / 2**20:.1f} MiB, more than 40 MiB"
+
+
+def test_every_case_holds_every_teachers_goldens(fixtures):
+    """Each teacher applies to every problem, so every file holds both teachers' loss and
+    gradient goldens at every dtype, and their order errors at the low ones (the compressed
+    teacher's under `golden.<dtype>.compressed.`)."""
+    losses = {f"loss.{v}" for v in ("dense", "sparse")}
+    for name, fx in fixtures.items():
+        assert CASES[name].teachers == TEACHERS, name
+        for teacher in TEACHERS:
+            for dt in GOLDEN_DTYPES:
+                goldens = fx.goldens_of(dt, teacher)
+                assert losses <= set(goldens), (name, teacher, dt)
+                assert len([q for q in goldens if q.startswith("grad.")]) == (18 if dt != "float64" else 12)
+                if dt in LOW_DTYPES:
+                    assert fx.order_errors(dt, teacher), (name, teacher, dt)
 
 
 def test_loading_needs_neither_torch_nor_the_code_under_test():
@@ -488,22 +560,22 @@ def test_sparse_at_oracle_uses_the_oracle_selection(fixtures):
 
 
 def test_teacher_goldens_are_stored_per_teacher(fixtures):
-    """A case listing the compressed teacher holds its loss and gradients (and order errors)
-    apart from the joint one's; they differ, widely on teacher_gap; the forward goldens are
-    shared. A case that does not list it holds none."""
+    """The compressed teacher's loss and gradients (and order errors) are stored apart from the
+    joint one's; they differ (widely on teacher_gap) wherever a query sees a valid block; the
+    forward goldens are shared."""
     for fx in fixtures.values():
         for dt in GOLDEN_DTYPES:
             joint = fx.goldens_of(dt, "joint")
             assert not any(q.startswith("compressed.") for q in joint)
-            if "compressed" not in fx.case.teachers:
-                assert fx.goldens_of(dt, "compressed") == {}
-                assert not any(q.startswith("compressed.") for q in fx.goldens[dt])
-                continue
             comp = fx.goldens_of(dt, "compressed")
             assert set(comp) == set(joint), (fx.name, dt, set(comp) ^ set(joint))
             for q in ("compressed_keys", "index_scores", "topk_indices"):
                 assert comp[q] is joint[q]
-            assert fx.case.num_blocks == 0 or comp["loss.dense"] != joint["loss.dense"], (fx.name, dt)
+            no_valid_block = not np.isfinite(joint["index_scores"]).any()  # no_blocks, all_invalid
+            if no_valid_block:
+                assert float(comp["loss.dense"]) == float(joint["loss.dense"]) == 0.0, (fx.name, dt)
+            else:
+                assert comp["loss.dense"] != joint["loss.dense"], (fx.name, dt)
     with pytest.raises(ValueError, match="teacher='softmax' is not supported"):
         fixtures["tiny"].goldens_of("float64", "softmax")
     gap = fixtures["teacher_gap"].goldens["float64"]

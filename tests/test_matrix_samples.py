@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from harness.cases import CASES
-from harness.matrix import (BACKENDS, CI_DTYPES, DTYPES, SAMPLES, SWEEP_CASES, TEACHER_CASES, Point, build_matrix, chunk_points, combined_pair,
+from harness.matrix import (BACKENDS, CI_DTYPES, COMPRESSED_CI, DTYPES, SAMPLES, SWEEP_CASES, TEACHER_CASES, Point, build_matrix, chunk_points, combined_pair,
                             query_chunk_sizes)
 
 NARROW, WIDE = ("bfloat16", "float16"), ("float32", "float64")
@@ -98,38 +98,53 @@ def test_ci_is_about_a_third_of_the_default_in_compiled_programs():
     native dtypes + 2 more on each of the 2 sweep cases + the combined point on the 11 cases
     beyond the 6 joint-teacher ones (2 dtypes on the sweep cases) + 6 knob classes on each sweep
     case = 34 + 4 + 13 + 12 = 63; default 201 (137 on the first 9 cases, + 8 x 4 x 2 on the joint
-    teacher's 7 and packed_edges). The compressed teacher on its 4 cases (tiny, small, packed, teacher_gap): ci
-    native in float64 and bfloat16 + the combined point on small and teacher_gap = 10; default
-    native in 4 + combined in 3 = 28. Entries: 19 per joint point without teacher chunk (3
-    forward + 2 modes x 8), 16 with one or with the compressed teacher."""
+    teacher's 7 and packed_edges). The compressed teacher on all 17 cases: ci native in one
+    dtype each + the combined point on small and teacher_gap = 19; default native in 4 + combined
+    in 3 = 7 per case, 119. Entries: 19 per joint point without teacher chunk (3 forward + 2
+    modes x 8), 16 with one or with the compressed teacher."""
     ci, default = _points("ci"), _points("default")
-    assert len(ci) == 73 and len(default) == 229
-    assert Counter(p.teacher for p in ci) == {"joint": 63, "compressed": 10}
-    assert Counter(p.teacher for p in default) == {"joint": 201, "compressed": 28}
-    assert len(build_matrix(sample="ci", backends=["xla"])) == 1306 and len(build_matrix(backends=["xla"])) == 4015
+    assert len(ci) == 82 and len(default) == 320
+    assert Counter(p.teacher for p in ci) == {"joint": 63, "compressed": 19}
+    assert Counter(p.teacher for p in default) == {"joint": 201, "compressed": 119}
+    assert len(build_matrix(sample="ci", backends=["xla"])) == 1450 and len(build_matrix(backends=["xla"])) == 5471
     assert len(ci) / len(default) < 0.35
 
 
 @pytest.mark.parametrize("sample", ["ci", "default"])
-def test_the_compressed_teacher_runs_where_its_goldens_are(sample):
-    """Only on the cases that hold its goldens, natively and at the combined point, in a narrow
-    and a wide dtype at least, never with forward entries (they do not depend on the teacher)."""
+def test_the_compressed_teacher_runs_on_every_case(sample):
+    """On every case (each holds its goldens), natively and at the combined point, never with
+    forward entries (they do not depend on the teacher). default: every case in every dtype.
+    ci: every case natively in one dtype, each dtype on at least 4 cases (COMPRESSED_CI; a case
+    missing there is an error), float64 on the layouts a shortcut gets wrong first."""
     entries = [e for e in build_matrix(sample=sample) if e.point.teacher == "compressed"]
-    holders = {c for c, case in CASES.items() if "compressed" in case.teachers}
-    assert {e.point.case for e in entries} == holders and len(holders) >= 3
+    assert all("compressed" in case.teachers for case in CASES.values())
+    assert {e.point.case for e in entries} == set(CASES)
     assert not [e for e in entries if e.mode == "forward"]
-    with_combined = set()
-    for case in holders:
+    with_combined, per_dtype = set(), Counter()
+    for case in CASES:
         native = {e.point.dtype for e in entries if e.point.case == case and not e.point.chunked}
         combined = {e.point.dtype for e in entries if e.point.case == case
                     and (e.point.ichunk, e.point.tchunk, e.point.qchunk)
                     == (*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1])}
-        assert native & set(NARROW) and native & set(WIDE), (case, native)
+        assert native == (set(DTYPES) if sample == "default" else {COMPRESSED_CI[case]}), (case, native)
+        per_dtype.update(native)
         assert combined <= native, (case, combined, native)  # its chunk checks need the native point
         if combined:
             with_combined.add(case)
+    assert set(per_dtype) == set(DTYPES) and min(per_dtype.values()) >= 4, per_dtype
+    if sample == "ci":
+        assert {c for c, d in COMPRESSED_CI.items() if d == "float64"} >= {"ragged", "ties", "packed_edges",
+                                                                           "yarn_tail"}
     # ci: the combined point on two of them (small, teacher_gap); default: on every one
-    assert with_combined == (holders if sample == "default" else {"small", "teacher_gap"}), with_combined
+    assert with_combined == (set(CASES) if sample == "default" else {"small", "teacher_gap"}), with_combined
+
+
+def test_a_case_missing_from_the_compressed_ci_dtypes_is_an_error(monkeypatch):
+    from harness import matrix
+
+    monkeypatch.delitem(matrix.COMPRESSED_CI, "ragged")
+    with pytest.raises(ValueError, match=r"case='ragged' has no entry in harness.matrix.COMPRESSED_CI"):
+        build_matrix(sample="ci", teachers=["compressed"])
 
 
 def test_points_name_their_teacher_and_parse_back():

@@ -5,6 +5,7 @@ selection without running it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.cases import CASES
 from harness.cli import selection_lines
 from harness.compare import CheckResult
 from harness.matrix import Entry, Point, build_matrix
@@ -38,16 +40,21 @@ def _argv(command: str) -> list[str]:
     return ([str(script)] if script.exists() else [sys.executable, "-m", "harness.cli"]) + words[1:]
 
 
-def test_the_command_names_the_point_and_every_option_that_changes_its_outcome():
+def test_the_command_names_the_point_and_every_option_that_changes_its_outcome(monkeypatch):
     small = Point("small", "bfloat16", 2, 0, 0)
     assert rerun_command(small, "sparse") == ("csa-parity run --cases small --dtypes bfloat16 --ichunks 2 --tchunks 0 "
                                               "--qchunks 0 --modes sparse --teachers joint --impl jax")
-    # ragged holds one teacher: --teachers would change nothing
     ragged = Point("ragged", "float32", 1, 2, 7)
     assert rerun_command(ragged, "dense", "pkg.mod:make", "goldens", "default", 30.0) == (
         "csa-parity run --cases ragged --dtypes float32 --ichunks 1 --tchunks 2 --qchunks 7 --modes dense "
-        "--impl pkg.mod:make --reference goldens --precision default --timeout 30")
+        "--teachers joint --impl pkg.mod:make --reference goldens --precision default --timeout 30")
     assert "--teachers compressed" in rerun_command(Point("tiny", "float64", teacher="compressed"), "dense")
+    # a case that held one teacher: --teachers would change nothing
+    import harness.cases
+
+    one = dataclasses.replace(CASES["ragged"], teachers=("joint",))
+    monkeypatch.setattr(harness.cases, "CASES", {**CASES, "ragged": one})
+    assert "--teachers" not in rerun_command(ragged, "dense")
     # fixtures from another directory: the variable the CLI reads them from, before the command
     assert rerun_command(Point("ragged", "float32"), "dense", fixtures_dir="/tmp/my fx").startswith(
         "CSA_PARITY_FIXTURES='/tmp/my fx' csa-parity run --cases ragged")

@@ -55,6 +55,31 @@ def test_a_scoring_kernel_with_a_planted_bug_fails_naming_the_stage(bug):
     assert "stage.scores (oracle): MISMATCH" in result.message
 
 
+def test_a_jax_kernel_gets_jax_arrays_in_its_forward_call_and_its_gradient():
+    """`keys.at[...]` on the inputs works in the forward call as under jax.vjp: the kernel is
+    handed JAX arrays on JAX's default device in both (it raises otherwise)."""
+    spec = "plugins.stage_plugins:padded_tiles"
+    for quantity in ("stage.scores", "stage_grad.scores.keys"):
+        (result,) = evaluate(Entry(Point("tiny", "float32"), "stage", quantity, spec))
+        assert result.status == "passed", result.message
+
+
+def test_a_numpy_kernel_says_so_and_gets_numpy_arrays():
+    (forward,) = evaluate(Entry(Point("tiny", "float32"), "stage", "stage.scores", "plugins.stage_plugins:numpy_scores"))
+    assert forward.status == "passed", forward.message
+    (grad,) = evaluate(Entry(Point("tiny", "float32"), "stage", "stage_grad.scores.q",
+                             "plugins.stage_plugins:numpy_scores"))
+    assert grad.status == "not_provided" and "not a JAX array" in grad.message, grad.message
+
+
+def test_an_unknown_array_kind_is_one_line(tmp_path):
+    proc, _ = _cli(tmp_path, "--impl", "plugins.stage_plugins:bad_arrays", "--cases", "tiny", "--list")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("csa-parity: error: implementation 'plugins.stage_plugins:bad_arrays': "
+                                   "ARRAYS='torch' is not an array kind the harness hands a stage (valid: jax, "
+                                   "numpy; default jax)"), proc.stderr
+
+
 def test_a_plugin_that_raises_on_one_case_does_not_stop_the_run(tmp_path):
     proc, report = _cli(tmp_path, "--impl", "plugins.stage_plugins:raising", "--cases", "tiny,small",
                         "--dtypes", "float32", "--modes", "forward", "--ichunks", "0", "--tchunks", "0")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.cases import CASES
 from harness.collect import evaluate
 from harness.matrix import Entry, Point, build_matrix
 
@@ -48,7 +49,7 @@ def test_jax_impl_computes_both_teachers_and_they_differ():
 def test_the_compressed_teacher_runs_dense_sparse_and_chunked_in_every_sample():
     for sample in ("ci", "default"):
         points = {e.point for e in build_matrix(sample=sample) if e.point.teacher == "compressed"}
-        assert {p.case for p in points} == {"tiny", "small", "packed", "teacher_gap"}, sample
+        assert {p.case for p in points} == set(CASES), sample
         assert any(p.chunked for p in points) and any(not p.chunked for p in points), sample
         modes = {e.mode for e in build_matrix(sample=sample) if e.point.teacher == "compressed"}
         assert modes == {"dense", "sparse"}, sample  # the forward is the joint points'
