@@ -205,8 +205,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "score_missing_di_scale", "scoring", "scoring.py",
-        "    return acc * (di**-0.5)",
-        "    return acc",
+        "    scores = acc * (di**-0.5)",
+        "    scores = acc",
         ("exact64",), (TINY64,),
         "the DI**-0.5 score scale left out",
     ),
@@ -260,8 +260,9 @@ CATALOGUE: tuple[Mutant, ...] = (
         "        acc0 = jnp.zeros_like(hw[..., :1] * keys_wide[:, None, :, 0], dtype=keys.dtype)",
         ("chunk",), (SMALL_BF16_ICHUNK,),
         "the chunked scores accumulated in the compute dtype (bfloat16), not the wide dtype",
-        more=(("            return acc + _head_contribution(widen(q), keys_wide, hw_c), None",
-               "            return (acc + _head_contribution(widen(q), keys_wide, hw_c)).astype(acc.dtype), None"),),
+        more=(("            return acc + _head_contribution(widen(q), keys_wide, hw_c), codes if with_codes else None",
+               "            return (acc + _head_contribution(widen(q), keys_wide, hw_c)).astype(acc.dtype), "
+               "codes if with_codes else None"),),
     ),
     Mutant(
         "chunk_scan_without_checkpoint", "chunking", "scoring.py",
@@ -449,8 +450,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "score_scale_teacher_head_dim", "scoring", "scoring.py",
-        "    return acc * (di**-0.5)",
-        "    return acc * (cfg.head_dim**-0.5)",
+        "    scores = acc * (di**-0.5)",
+        "    scores = acc * (cfg.head_dim**-0.5)",
         ("exact64",), (),
         "the score scaled by head_dim**-0.5 (the teacher's head dim, the usual attention scale) "
         "instead of index_head_dim**-0.5",

@@ -59,6 +59,8 @@ HOW = {
     "csa-parity run --reference goldens": LIST,
     "csa-parity run --sample ci": LIST,
     "csa-parity run --teachers compressed": LIST,
+    "csa-parity run --cache-dir /tmp/c": LIST,
+    "csa-parity run --profile": LIST,
     "JAX_PLATFORMS=tpu csa-parity run --jobs 1": LIST,
     "JAX_PLATFORMS=tpu csa-parity run --jobs 1 --precision default": LIST,
     "PYTHONPATH=tests csa-parity run --cases tiny --dtypes float32 --ichunks 0,2 --tchunks 0 --qchunks 0 "
@@ -83,6 +85,8 @@ HOW = {
     "python -m benchmarks.memory_speed --s 8192 --no-time": HELP,
     "python -m benchmarks.memory_speed --window-only": HELP,
     "python -m benchmarks.teacher_gap": HELP,
+    "python -m benchmarks.quant_gap": HELP,
+    "python -m benchmarks.quant_gap --memory-only": HELP,
     "python -m harness.judge_mutations": HELP,
     "python -m harness.judge_mutations --only NAME": HELP,
     "python -m harness.mutations": HELP,
@@ -98,6 +102,7 @@ HOW = {
     "python examples/train_indexer.py": HELP,
     "python scripts/figures.py": HELP,
     "python scripts/measure_tolerances.py [--quick]": HELP,
+    "python scripts/measure_tolerances.py": HELP,
     "python scripts/regenerate_fixtures.py": HELP,
     "python scripts/regenerate_fixtures.py --case NAME": HELP,
     "python scripts/regenerate_fixtures.py --check": HELP,
@@ -109,6 +114,7 @@ HOW = {
     "pytest tests/sharded -n 0 -m sharded": HELP,
     "pytest tests/test_judge_mutations.py": HELP,
     "pytest tests/test_judge_rules.py": HELP,
+    "pytest tests/test_tolerance_boundaries.py": HELP,
     "HYPOTHESIS_PROFILE=nightly pytest tests/test_random_configs.py": HELP,
     "python -m pytest tests/multihost -n 0 -m multihost": HELP,
     # make targets

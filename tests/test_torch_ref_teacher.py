@@ -429,7 +429,7 @@ def test_rope_scaling_none_is_plain_rope_bit_for_bit(dtype):
 def test_new_config_fields_defaults_order_and_round_trip():
     names = [f.name for f in dataclasses.fields(CSAConfig)]
     assert names[names.index("loss_scale") + 1:] == ["sliding_window", "teacher_normaliser",
-                                                     "rope_scaling", "scoring_backend"]
+                                                     "rope_scaling", "index_quant", "scoring_backend"]
     cfg = cfg_of(SMALL)
     assert (cfg.sliding_window, cfg.teacher_normaliser, cfg.rope_scaling) == (0, "joint", None)
     source = dict(V4_YARN, factor=16.0)
@@ -450,6 +450,13 @@ def test_new_config_fields_defaults_order_and_round_trip():
     cfg_of(SMALL, rope_scaling=dict(V4_YARN, factor=1, beta_fast=1.5, beta_slow=1e-3))  # edges ok
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.sliding_window = 3  # type: ignore[misc]
+    # index_quant: a plain copy too, round-tripping through JSON, compared by value.
+    quant = {"format": "e2m1", "block": 8, "hadamard": True}
+    cfg = cfg_of(SMALL, index_quant=types.MappingProxyType(quant))
+    assert type(cfg.index_quant) is dict and cfg.to_dict()["index_quant"] == quant
+    assert CSAConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg != dataclasses.replace(cfg, index_quant=dict(quant, block=16))
+    assert cfg_of(SMALL).to_dict()["index_quant"] is None
 
 
 # --------------------------------------------------------------------------- input rules
