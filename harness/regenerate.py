@@ -60,7 +60,7 @@ def _versions() -> dict[str, str]:
 
 def cpu_capability_note() -> str | None:
     """A line when torch computes with other CPU kernels than the committed fixtures were
-    generated with (harness.CPU_PINS: ATen's kernels, oneDNN's and MKL's instruction sets):
+    generated with (harness.CPU_PINS: ATen's kernels and oneDNN's instruction set):
     goldens then differ in rounding."""
     import torch
 

@@ -107,8 +107,7 @@ HOW = {
     "python scripts/regenerate_fixtures.py --case NAME": HELP,
     "python scripts/regenerate_fixtures.py --check": HELP,
     "python scripts/regenerate_fixtures.py [--case NAME]": HELP,
-    "ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=ALL MKL_ENABLE_INSTRUCTIONS=AVX512 python "
-    "scripts/regenerate_fixtures.py --check": HELP,
+    "ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=ALL python scripts/regenerate_fixtures.py --check": HELP,
     # selections of this suite
     "pytest -m \"grad and chunked\" -k small-bfloat16": HELP,
     "pytest tests/sharded -n 0 -m sharded": HELP,

@@ -5,7 +5,7 @@
 - every loader error, triggered on a damaged copy, says what is wrong and how to fix it;
 - the goldens satisfy the invariants that need no second implementation;
 - the float64 reference is invariant under consistent permutations of the heads;
-- importing the harness pins torch's CPU kernels (ATen's, oneDNN's, MKL's) to those the files
+- importing the harness pins torch's CPU kernels (ATen's and oneDNN's) to those the files
   were generated with, and a process that would otherwise compute with wider ones regenerates
   the same bytes.
 """
@@ -86,11 +86,10 @@ def _data_offset(path: Path, tensor: str) -> int:
 
 # The instruction sets the committed fixtures were generated with, as a user would set them
 # (harness.CPU_PINS sets them in any process that imports the harness, unless set already).
-AVX2_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+AVX2_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # The widest each library takes by default; and two cases whose goldens they move on an AVX512
-# CPU: ties (oneDNN's bfloat16 matmuls where the CPU has AVX512-BF16 or AMX; MKL's float64
-# ones), tiny (MKL's; both teachers).
-WIDEST = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}
+# CPU: ties (oneDNN's bfloat16 matmuls where the CPU has AVX512-BF16 or AMX), tiny (ATen's).
+WIDEST = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL"}
 KERNEL_CASES = ("ties", "tiny")
 
 
