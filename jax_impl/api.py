@@ -27,7 +27,7 @@ from .loss import kl_loss, loss_keep, student_log_probs, teacher_distribution, t
 from .pooling import compress_keys, compress_parts
 from .precision import round_to
 from . import kernels, query_blocks
-from .scoring import queries, scoring_keys, scoring_queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
+from .scoring import codes_dict, imposed_codes, queries, scoring_keys, scoring_queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
 from .validate import (FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_codes, check_inputs, check_params, check_selection,
                        teacher_input_names)
 
@@ -61,26 +61,6 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
     valid = block_validity(pos, seg, cfg, x.shape[1])
     masked = mask_scores(scores, valid)
     return keys, masked, valid, topk_indices(masked, valid, cfg.index_topk), codes_dict(query_codes, key_codes)
-
-
-def imposed_codes(inputs):
-    """(the queries' (codes, scales), the keys' (codes, scales)) that `inputs` carries to be
-    scored instead of the indexer's own (the entry points' `codes=`), or (None, None)."""
-    if "query_codes" not in inputs:
-        return None, None
-    return (inputs["query_codes"], inputs["query_scales"]), (inputs["key_codes"], inputs["key_scales"])
-
-
-def codes_dict(query_codes, key_codes) -> dict:
-    """The quantizer's outputs under their public names (SPEC section 7a): query_codes
-    [B, S, HI, DI] and key_codes [B, W, DI] (uint8 bit patterns), query_scales [B, S, HI,
-    DI / block] and key_scales [B, W, DI / block] (float32 powers of two); {} when the indexer
-    does not quantize."""
-    out = {}
-    for side, pair in (("query", query_codes), ("key", key_codes)):
-        if pair is not None:
-            out[f"{side}_codes"], out[f"{side}_scales"] = pair
-    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))

@@ -155,12 +155,7 @@ class YarnScaling:
             return value
         if not isinstance(value, Mapping):
             raise ValueError(f"rope_scaling={value!r} must be null or a dict with type 'yarn'")
-        for key in value:
-            if key not in ROPE_SCALING_KEYS:
-                raise ValueError(f"rope_scaling has unknown key {key!r} (valid: {', '.join(ROPE_SCALING_KEYS)})")
-        for key in ROPE_SCALING_KEYS:
-            if key not in value:
-                raise ValueError(f"rope_scaling is missing key {key!r}")
+        _check_keys("rope_scaling", value, ROPE_SCALING_KEYS)
         if value["type"] != "yarn":
             raise ValueError(f"rope_scaling type={value['type']!r} is not supported (valid: yarn)")
         f, length = value["factor"], value["original_max_position"]
@@ -192,12 +187,7 @@ class IndexQuant:
         if not isinstance(value, Mapping):
             raise ValueError(f"index_quant={value!r} must be null or a dict with keys "
                              f"{', '.join(INDEX_QUANT_KEYS)}")
-        for key in value:
-            if key not in INDEX_QUANT_KEYS:
-                raise ValueError(f"index_quant has unknown key {key!r} (valid: {', '.join(INDEX_QUANT_KEYS)})")
-        for key in INDEX_QUANT_KEYS:
-            if key not in value:
-                raise ValueError(f"index_quant is missing key {key!r}")
+        _check_keys("index_quant", value, INDEX_QUANT_KEYS)
         fmt, block, rotate = value["format"], value["block"], value["hadamard"]
         if not (isinstance(fmt, str) and fmt in QUANT_FORMATS):
             raise ValueError(f"index_quant format={fmt!r} is not supported (valid: {', '.join(QUANT_FORMATS)})")
@@ -210,6 +200,16 @@ class IndexQuant:
             raise ValueError(f"index_quant hadamard=True needs index_head_dim={head_dim} to be a power of two "
                              "(the Sylvester Hadamard matrix has order 2**n)")
         return cls(format=fmt, block=block, hadamard=rotate)
+
+
+def _check_keys(field: str, value: Mapping, keys: tuple[str, ...]) -> None:
+    """A dict-valued field holds exactly `keys`: an unknown key first, then a missing one."""
+    for key in value:
+        if key not in keys:
+            raise ValueError(f"{field} has unknown key {key!r} (valid: {', '.join(keys)})")
+    for key in keys:
+        if key not in value:
+            raise ValueError(f"{field} is missing key {key!r}")
 
 
 def _check_positive_int(name: str, v: Any) -> None:

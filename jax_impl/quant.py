@@ -130,7 +130,7 @@ def decode(codes, fmt: Format, wide):
 
 def quantize_parts(x, quant, wide):
     """Rotated x [..., DI] (compute dtype) -> (x_hat wide, codes as format values wide, scales
-    [..., DI / block] wide). No gradient: `fake_quantize` carries the straight-through one."""
+    [..., DI / block] wide). No gradient: `quantize_for_scoring` carries the straight-through one."""
     fmt = FORMATS[quant.format]
     xw = jax.lax.stop_gradient(x).astype(wide)
     scales = block_scales(xw, quant, wide)
@@ -159,17 +159,6 @@ def quantize_for_scoring(x, quant, wide, imposed=None):
     xw = rotated.astype(wide)
     scored = jax.lax.stop_gradient(x_hat) + (xw - jax.lax.stop_gradient(xw))
     return scored, codes, scales
-
-
-def fake_quantize(x, quant, wide):
-    """The values the indexer scores alone (`quantize_for_scoring`'s first result)."""
-    return quantize_for_scoring(x, quant, wide)[0]
-
-
-def codes_and_scales(x, quant, wide):
-    """x [..., DI] after RoPE (compute dtype) -> (codes uint8 [..., DI], scales float32
-    [..., DI / block]): the quantizer's outputs, as a quantized kernel would consume them."""
-    return quantizer_stage(rotate(x, quant, wide), quant, wide)
 
 
 def quantizer_stage(rotated, quant, wide):

@@ -39,7 +39,8 @@ from .loss import kl_per_token, loss_keep, teacher_distribution
 from .validate import teacher_input_names
 from .pooling import compress_keys
 from .precision import round_to
-from .scoring import head_weights, key_blocks, mask_scores, raw_scores, rows_validity, scoring_keys, topk_indices
+from .scoring import (codes_dict, head_weights, imposed_codes, key_blocks, mask_scores, raw_scores, rows_validity,
+                      scoring_keys, topk_indices)
 
 
 # The parameters of the keys (used once, before the scan) and of the query rows (per block).
@@ -116,8 +117,7 @@ def _setup(params, inputs, cfg, dtype_name):
     keys = compress_keys(
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
-    imposed = (inputs["key_codes"], inputs["key_scales"]) if "key_codes" in inputs else None
-    k_in, key_codes = scoring_keys(keys, cfg, wide, imposed)
+    k_in, key_codes = scoring_keys(keys, cfg, wide, imposed_codes(inputs)[1])
     return keys, k_in.astype(wide), key_blocks(pos, seg, cfg, x.shape[1]), key_codes
 
 
@@ -135,8 +135,8 @@ def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard
     pos = _take_rows(inputs["position_ids"], rows)
     seg = _take_rows(inputs["segment_ids"], rows)
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
-    imposed = None if "query_codes" not in inputs else tuple(
-        _take_rows(inputs[name], rows) for name in ("query_codes", "query_scales"))
+    imposed = imposed_codes(inputs)[0]
+    imposed = None if imposed is None else tuple(_take_rows(a, rows) for a in imposed)
     scores, codes = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, shard.score_cfg or cfg, wide,
                                with_codes=True, query_codes=imposed)
     scores = _apply(shard.sum_heads, scores)
@@ -161,16 +161,13 @@ def _over_blocks(body, seq_len: int, r: int):
 
 def forward(params, inputs, cfg, dtype_name):
     """{compressed_keys [B, W, DI], index_scores [B, S, W] (wide, -inf where invalid),
-    topk_indices [B, S, k_eff], and with quantization the codes and scales (api.codes_dict)},
+    topk_indices [B, S, k_eff], and with quantization the codes and scales (scoring.codes_dict)},
     computed block by block and assembled."""
     keys, keys_wide, blocks, key_codes = _setup(params, inputs, cfg, dtype_name)
     masked, topk, query_codes = rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name,
                                              block_rows(cfg, inputs["position_ids"].shape[1]), with_codes=True)
-    out = {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk}
-    for side, pair in (("query", query_codes), ("key", key_codes)):
-        if pair is not None:
-            out[f"{side}_codes"], out[f"{side}_scales"] = pair
-    return out
+    return {"compressed_keys": keys, "index_scores": masked, "topk_indices": topk,
+            **codes_dict(query_codes, key_codes)}
 
 
 def rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, r: int, shard=ONE_DEVICE, with_codes=False):

@@ -90,6 +90,26 @@ def scoring_keys(keys, cfg, wide, imposed=None):
     return k_hat, (codes, scales)
 
 
+def imposed_codes(inputs):
+    """(the queries' (codes, scales), the keys' (codes, scales)) that `inputs` carries to be
+    scored instead of the indexer's own (jax_impl.api's entry points' `codes=`), or (None, None)."""
+    if "query_codes" not in inputs:
+        return None, None
+    return (inputs["query_codes"], inputs["query_scales"]), (inputs["key_codes"], inputs["key_scales"])
+
+
+def codes_dict(query_codes, key_codes) -> dict:
+    """The quantizer's outputs under their public names (SPEC section 7a): query_codes
+    [B, S, HI, DI] and key_codes [B, W, DI] (uint8 bit patterns), query_scales [B, S, HI,
+    DI / block] and key_scales [B, W, DI / block] (float32 powers of two); {} when the indexer
+    does not quantize."""
+    out = {}
+    for side, pair in (("query", query_codes), ("key", key_codes)):
+        if pair is not None:
+            out[f"{side}_codes"], out[f"{side}_scales"] = pair
+    return out
+
+
 def head_contribution_autodiff(q, keys, hw):
     """sum_h hw[b,s,h] * relu(q[b,s,h] . K[b,j]) for the heads in q: [B, S, W].
 

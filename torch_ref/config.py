@@ -62,17 +62,21 @@ def _is_finite_number(v: Any) -> bool:
     return _is_number(v) and math.isfinite(v)
 
 
+def _check_keys(field: str, v: Mapping, keys: tuple[str, ...]) -> None:
+    """A dict-valued field holds exactly `keys`: an unknown key first, then a missing one."""
+    for k in v:
+        if k not in keys:
+            raise ValueError(f"{field} has unknown key {k!r} (valid: {', '.join(keys)})")
+    for k in keys:
+        if k not in v:
+            raise ValueError(f"{field} is missing key {k!r}")
+
+
 def _check_rope_scaling(v: Any) -> None:
     """SPEC §1/§6: null or {"type": "yarn", factor, original_max_position, beta_fast, beta_slow}."""
     if not isinstance(v, Mapping):
         raise ValueError(f"rope_scaling={v!r} must be null or a dict with type 'yarn'")
-    for k in v:
-        if k not in ROPE_SCALING_KEYS:
-            raise ValueError(f"rope_scaling has unknown key {k!r} "
-                             f"(valid: {', '.join(ROPE_SCALING_KEYS)})")
-    for k in ROPE_SCALING_KEYS:
-        if k not in v:
-            raise ValueError(f"rope_scaling is missing key {k!r}")
+    _check_keys("rope_scaling", v, ROPE_SCALING_KEYS)
     t, f, L0 = v["type"], v["factor"], v["original_max_position"]
     bf, bs = v["beta_fast"], v["beta_slow"]
     if not (isinstance(t, str) and t == "yarn"):
@@ -92,12 +96,7 @@ def _check_index_quant(v: Any, head_dim: int) -> None:
     if not isinstance(v, Mapping):
         raise ValueError(f"index_quant={v!r} must be null or a dict with keys "
                          f"{', '.join(INDEX_QUANT_KEYS)}")
-    for k in v:
-        if k not in INDEX_QUANT_KEYS:
-            raise ValueError(f"index_quant has unknown key {k!r} (valid: {', '.join(INDEX_QUANT_KEYS)})")
-    for k in INDEX_QUANT_KEYS:
-        if k not in v:
-            raise ValueError(f"index_quant is missing key {k!r}")
+    _check_keys("index_quant", v, INDEX_QUANT_KEYS)
     fmt, block, rotate = v["format"], v["block"], v["hadamard"]
     if not (isinstance(fmt, str) and fmt in QUANT_FORMATS):
         raise ValueError(f"index_quant format={fmt!r} is not supported (valid: {', '.join(QUANT_FORMATS)})")
