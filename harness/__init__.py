@@ -16,9 +16,9 @@ import os
 # AVX512 changes); harness.regenerate notes a process that does not.
 # MKL, the BLAS of the float32 and float64 matmuls, is left to its default: it picks its code
 # path per CPU model and vendor even when told AVX2 (files written on one machine regenerate with
-# last-bit differences on another either way), and told AVX2 on an Intel AVX512 machine it drew a
-# float32 order error of packed_edges' scores 0.7x the one its default kernels draw there, and
-# of every machine measured (2.7e-6 against 1.9e-6): a bound that rests on one lucky draw.
+# last-bit differences on another either way), and told AVX2 on an Intel AVX512 machine it draws
+# a float32 order error of packed_edges' scores 0.7x the one its default kernels draw there
+# (1.9e-6 against 2.7e-6): a bound that would rest on one lucky draw.
 TORCH_CPU_CAPABILITY = "AVX2"
 CPU_PINS = {"ATEN_CPU_CAPABILITY": TORCH_CPU_CAPABILITY.lower(), "ONEDNN_MAX_CPU_ISA": TORCH_CPU_CAPABILITY}
 for _name, _value in CPU_PINS.items():

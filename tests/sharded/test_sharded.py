@@ -74,11 +74,10 @@ LAYOUTS = (((2, 1, 4), 0, 0), ((2, 2, 2), 1, 5), ((1, 4, 2), 2, 0))
 # ci: each layout once, on one case in one dtype: heads alone on packed (float64, exact64), the
 # three axes crossed on small (float32, the CHUNK bound with every knob), the sequence beside head
 # groups on small (float64, exact64). packed in float64 on 2x2x2 runs with the compressed
-# teacher (COMPRESSED). packed on 2x1x4 in float32 stays in the default sample only: with the
-# fixtures generated on an Intel AVX512 machine (torch's float32 score error there 9.9e-7, below
-# the floor; 2.3e-6 in the files of the machine before), its oracle check's bound is the floor's
-# 2.24e-6 and JAX's 2.28e-6 (the same error the machine before measured, 0.50 of its bound)
-# fails it at 1.02; its chunk check against one device passes. Not loosened; docs/matrix.md.
+# teacher (COMPRESSED). packed on 2x1x4 in float32 runs in the default sample only: the fixtures
+# come from an Intel AVX512 machine, where torch's float32 score error (9.9e-7) is below the
+# floor, so the oracle check's bound is the floor's 2.24e-6, and JAX's 2.28e-6 fails it at 1.02;
+# its chunk check against one device passes. Not loosened; docs/matrix.md.
 MAIN_CI = {("packed", "float64", (2, 1, 4)), ("small", "float32", (2, 2, 2)), ("small", "float64", (1, 4, 2))}
 MAIN = [
     (case, dtype, mesh, chunk, qchunk, ("dense", "sparse"))
