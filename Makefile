@@ -93,10 +93,14 @@ test: $(STAMP)
 # subprocess each), training and check_grads (whose float64 gradients the run above judges at
 # 1e-12). `make test` runs the whole ci sample on the pinned jax; set
 # SAMPLE312=default DTYPES312=float32,bfloat16,float16,float64 for the whole default matrix here.
+# The quantized indexer (SPEC section 7a) runs in every dtype here as well: the released model's
+# preset (quant_v4) and the planted boundaries (quant_planted), their ci points below float64
+# (QUANT312), since the codes are where a newer XLA's rounding would show first.
 # Tests that need torch skip (CSA_PARITY_NO_TORCH=1 says this leg has none on purpose; anywhere
 # else a missing torch fails them).
 SAMPLE312 ?= ci
 DTYPES312 ?= float64
+QUANT312 ?= quant_v4,quant_planted
 TEST312_FILES := tests/test_bad_inputs.py tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
 	tests/test_traceable.py tests/test_pallas.py tests/test_cli.py::test_jax_only_mode_needs_no_torch
 # One compilation cache for both steps: the CLI tests load the tiny programs the run compiled.
@@ -106,6 +110,8 @@ test312: $(STAMP312)
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296 && \
 	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --dtypes $(DTYPES312) --out reports-py312 \
 		--no-progress && \
+	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --cases $(QUANT312) \
+		--dtypes float32,bfloat16,float16 --out reports-py312-quant --no-progress && \
 	CSA_PARITY_NO_TORCH=1 $(BIN312)/python -m pytest -n $(XDIST) --durations=10 $(TEST312_FILES)
 
 # The two-process slice alone (docs/multihost.md): two processes of 4 simulated CPU devices run
@@ -136,4 +142,4 @@ figures: $(STAMP)
 	$(BIN)/python scripts/figures.py
 
 clean:
-	rm -rf $(VENV) $(VENV312) reports reports-py312 .pytest_cache
+	rm -rf $(VENV) $(VENV312) reports reports-py312 reports-py312-quant .pytest_cache

@@ -14,6 +14,11 @@ sizes, the seed, and the layout knobs `make_inputs` reads:
   that each block's key depends on its own tokens only. With `rope_head_dim=0`
   the compressed keys of twin blocks are then bit-identical, their scores tie
   exactly, and the tie sits on the top-k boundary (see the `ties` entry).
+- `planted_quant`: the queries are planted on the quantizer's decision boundaries (SPEC
+  section 7a; `plant_quant_queries`): each token's query latent is one-hot, so its queries
+  are one row of `wq_b`, exact in every dtype, and those rows hold exact rounding midpoints,
+  block maxima at powers of two times Qmax, an all-zero block and a block at the amax floor.
+  Needs an unrotated e2m1 config with `rope_head_dim=0` and blocks of 8.
 
 `make_inputs(case)` is pure numpy, deterministic from
 `np.random.default_rng(case.seed)`: the same case gives the same bytes on every
@@ -70,6 +75,12 @@ KNOB_FIELDS = tuple(KNOB_DEFAULTS)
 # The fields that define a problem: what a case and its fixture hold.
 PROBLEM_FIELDS: tuple[tuple[str, Any], ...] = tuple((n, d) for n, d in CONFIG_FIELDS if n not in KNOB_DEFAULTS)
 
+# DeepSeek-V4's indexer quantization (SPEC section 7a) and DeepSeek-V3.2's.
+V4_QUANT = {"format": "e2m1", "block": 32, "hadamard": True}
+V32_QUANT = {"format": "e4m3", "block": 128, "hadamard": True}
+# `planted_quant`: blocks of 8 channels, four kinds (plant_quant_queries).
+PLANT_BLOCK = 8
+
 # The a-slot gate offset of `tied_blocks` cases: exp(-1e4 + O(10)) is exactly 0
 # in float64 (underflow below about -745), so the a-slots carry weight 0.
 ISOLATE_GATE = -1.0e4
@@ -115,6 +126,7 @@ class Case:
     # The teachers whose goldens the fixture holds (TEACHERS; joint always): both on every case,
     # since each teacher applies to every problem; a teacher that did not would be left out here.
     teachers: tuple[str, ...] = TEACHERS
+    planted_quant: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", MappingProxyType(full_config(**dict(self.config))))
@@ -139,6 +151,14 @@ class Case:
             if self.config["rope_head_dim"] != 0 or self.documents is not None or self.seq_len % m:
                 raise ValueError(f"case {self.name!r}: tied_blocks needs rope_head_dim=0, "
                                  f"no packing and seq_len a multiple of compress_ratio")
+
+        if self.planted_quant:
+            q = self.config["index_quant"]
+            if (q is None or q["format"] != "e2m1" or q["block"] != PLANT_BLOCK or q["hadamard"]
+                    or self.config["rope_head_dim"] != 0 or self.config["index_head_dim"] % (4 * PLANT_BLOCK)):
+                raise ValueError(f"case {self.name!r}: planted_quant needs index_quant e2m1 with block "
+                                 f"{PLANT_BLOCK} and no rotation, rope_head_dim=0 and index_head_dim a "
+                                 f"multiple of {4 * PLANT_BLOCK}")
 
     def __hash__(self) -> int:
         return hash((self.name, self.config_json()))
@@ -294,7 +314,45 @@ _CATALOGUE = (
                    "4's halo block 3 belongs to another document)"),
 )
 
-CASES: Mapping[str, Case] = MappingProxyType({c.name: c for c in _CATALOGUE})
+_QUANT = (
+    Case("quant_v4", full_config(emb_dim=16, q_lora_rank=8, index_n_heads=4, index_head_dim=128,
+                                 rope_head_dim=64, compress_ratio=4, index_topk=4, num_query_heads=2,
+                                 head_dim=16, sliding_window=8, rope_scaling=V4_YARN, index_quant=V4_QUANT),
+         batch=1, seq_len=32, seed=1018,
+         exercises="DeepSeek-V4's released indexer preset: DI=128 rotated by the Hadamard transform "
+                   "and quantized to e2m1 in blocks of 32 with UE8M0 scales (4 blocks per head and "
+                   "key), DR=64 with YaRN; an unrotated, unscaled or transposed Hadamard, a scale "
+                   "rounded instead of raised to a power of two, or blocks taken across heads all "
+                   "change the codes"),
+    Case("quant_v32", full_config(emb_dim=16, q_lora_rank=8, index_n_heads=2, index_head_dim=128,
+                                  rope_head_dim=64, compress_ratio=4, index_topk=4, num_query_heads=2,
+                                  head_dim=16, sliding_window=8, index_quant=V32_QUANT),
+         batch=1, seq_len=32, seed=1019,
+         exercises="DeepSeek-V3.2's preset: e4m3 (OCP e4m3fn, max 448, subnormals) in one block of "
+                   "128: a float8 cast that gives NaN past 448 or saturates, or a wrong subnormal "
+                   "grid, shows in the codes"),
+    Case("quant_planted", full_config(emb_dim=16, q_lora_rank=8, index_n_heads=2, index_head_dim=32,
+                                      rope_head_dim=0, compress_ratio=4, index_topk=2, num_query_heads=2,
+                                      head_dim=16, sliding_window=4,
+                                      index_quant={"format": "e2m1", "block": PLANT_BLOCK, "hadamard": False}),
+         batch=1, seq_len=16, seed=1020, planted_quant=True,
+         exercises="unrotated e2m1, queries planted on the quantizer's decision boundaries, exact in "
+                   "every dtype: values at the midpoints between neighbouring codes (a rounding "
+                   "other than half to even flips them), block maxima at exactly Qmax times a "
+                   "power of two (a scale taken as the next power up halves the codes), an "
+                   "all-zero block and a block whose maximum is the amax floor 6 * 2**-126"),
+    Case("quant_packed", full_config(emb_dim=32, q_lora_rank=16, index_n_heads=4, index_head_dim=32,
+                                     rope_head_dim=16, compress_ratio=4, index_topk=3, num_query_heads=4,
+                                     head_dim=16, sliding_window=8,
+                                     index_quant={"format": "e2m1", "block": 8, "hadamard": True}),
+         batch=2, seq_len=64, seed=1021, documents=((21, 43), (32, 13, 19)),
+         exercises="blocks of 8 smaller than DI=32 (4 scales per query head and per key) on packed "
+                   "rows of 2 and 3 documents; FP4 changes the top-k of 7 of the 107 queries with a "
+                   "valid block against the same problem unquantized (tests/test_quant.py), so a "
+                   "candidate that scores unquantized values picks other blocks"),
+)
+
+CASES: Mapping[str, Case] = MappingProxyType({c.name: c for c in _CATALOGUE + _QUANT})
 
 
 def get_case(name: str) -> Case:
@@ -371,6 +429,9 @@ def make_inputs(case: Case) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray
                     teacher_kv[b, w] = teacher_kv[b, src]
         params["indexer.ape"][:, :DI] += np.float32(ISOLATE_GATE)
 
+    if case.planted_quant:
+        q_latent, params["indexer.wq_b"] = plant_quant_queries(B, S, R, HI, DI)
+
     inputs = {
         "hidden_states": hidden,
         "q_latent": q_latent,
@@ -386,3 +447,45 @@ def make_inputs(case: Case) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray
     for name, shape in case.param_shapes().items():
         assert params[name].shape == shape and params[name].dtype == np.float32, name
     return inputs, params
+
+
+# Planted e2m1 blocks of 8 (`planted_quant`), as multiples of the block's scale 2**e. MIDPOINTS:
+# Qmax (6: the block maximum, so amax / Qmax is exactly the power of two 2**e, on the scale's
+# boundary) and the seven midpoints between neighbouring positive values, where half to even
+# picks 4, 4, 2, 2, 1, 1, 0 (half away from zero: 6, 4, 3, 2, 1.5, 1, 0.5). FLOOR: a maximum
+# of exactly the amax floor 6 * 2**-126 (scale 2**-126, codes 6 down to 1; every value a normal
+# float32 and bfloat16, none in float16, where they flush to 0).
+PLANT_MIDPOINTS = (6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25)
+PLANT_FLOOR = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 1.0, 1.0)
+
+
+def plant_quant_queries(batch: int, seq_len: int, rank: int, heads: int, head_dim: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(q_latent [B, S, R], wq_b [R, HI * DI]) with every query on the quantizer's boundaries.
+
+    Token t's latent is the one-hot e_(t mod R), so its queries are row t mod R of wq_b, exact
+    in every dtype (a sum of one product by 1 and zeros). Each head's DI channels are blocks of
+    PLANT_BLOCK, in the pattern midpoints / zeros / floor / midpoints negated, shifted by the
+    row and head; the midpoint blocks are scaled by 2**e, e cycling over -3..2 (exact in every
+    dtype), their signs alternating. Deterministic without a seed."""
+    q_latent = np.zeros((batch, seq_len, rank), np.float32)
+    for b in range(batch):
+        q_latent[b, np.arange(seq_len), (b * seq_len + np.arange(seq_len)) % rank] = 1.0
+    signs = np.where(np.arange(PLANT_BLOCK) % 2 == 0, 1.0, -1.0)
+    kinds = ("midpoints", "zeros", "floor", "negated")
+    wq_b = np.zeros((rank, heads, head_dim), np.float64)
+    for r in range(rank):
+        for h in range(heads):
+            for j in range(head_dim // PLANT_BLOCK):
+                kind = kinds[(j + r + h) % len(kinds)]
+                scale = 2.0 ** (((r * heads + h) * 7 + j) % 6 - 3)
+                if kind == "midpoints":
+                    block = np.asarray(PLANT_MIDPOINTS) * signs * scale
+                elif kind == "negated":
+                    block = -np.asarray(PLANT_MIDPOINTS)[::-1] * signs * scale
+                elif kind == "floor":
+                    block = np.asarray(PLANT_FLOOR) * signs * 2.0**-126
+                else:
+                    block = np.zeros(PLANT_BLOCK)
+                wq_b[r, h, j * PLANT_BLOCK:(j + 1) * PLANT_BLOCK] = block
+    return q_latent, wq_b.reshape(rank, heads * head_dim).astype(np.float32)

@@ -221,7 +221,9 @@ def platform_info(precision: str, reference: str) -> dict:
 
 def _stage_entries(entries, impl: str):
     """A stage plug-in runs native points only (chunks are the pipeline's knobs): every
-    matrix entry there (reported not provided, counted) plus its stage's entries."""
+    matrix entry there (reported not provided, counted) plus its stage's entries; the
+    quantizer's at the points of the cases that quantize (index_quant) only."""
+    from .cases import CASES
     from .implementations import BUILTINS, StageImplementation, load_implementation
     from .matrix import Entry
     from .outputs import STAGE_MODE, stage_quantities
@@ -235,6 +237,12 @@ def _stage_entries(entries, impl: str):
     # would only add pipeline entries the plug-in does not provide).
     native = [e for e in entries if not e.point.chunked and e.point.teacher == "joint"]
     points = sorted({e.point for e in native})
+    if api.stage == "quantizer":
+        points = [p for p in points if CASES[p.case].config.get("index_quant") is not None]
+        if not points and native:
+            quantized = ", ".join(c for c, case in CASES.items() if case.config.get("index_quant") is not None)
+            raise ValueError(f"{impl} is a quantizer stage: the selection holds no case that quantizes "
+                             f"(index_quant); choose among {quantized}")
     return native + [Entry(p, STAGE_MODE, q, impl) for p in points for q in stage_quantities(api.stage)]
 
 
@@ -310,8 +318,8 @@ def run(args) -> int:
 
 
 def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
-    from .report import (attach_reruns, cache_line, error_lines, failure_lines, format_table, profile_lines,
-                         status_line, summarise, table, time_split, write_reports)
+    from .report import (attach_reruns, cache_line, code_ties_text, error_lines, failure_lines, format_table,
+                         profile_lines, status_line, summarise, table, time_split, write_reports)
     from .timing import COUNTS
     from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
 
@@ -407,7 +415,8 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     print(
         f"{summary['entries']} entries, {summary['checks']} checks, {summary['failed']} failed "
         f"in {meta['wall_s']:.1f} s; " + status_line(summary) + f"; top-k ties excused: {summary['topk_excused_ties']}; "
-        "worst ratio by dtype: " + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items())
+        + (f"code ties excused: {code_ties_text(summary)}; " if summary["code_excused_ties"] else "")
+        + "worst ratio by dtype: " + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items())
     )
     # headroom and not-applicable points, on every run
     from .report import HEADROOM_MARK, headroom_table

@@ -14,13 +14,16 @@ A point the backend cannot compute (harness.platforms) is collected as
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import platforms
 from .cases import CASES
 from .compare import CheckResult
-from .implementations import forward_stages, order_errors, outputs, reference_name, stage_references
+from .implementations import forward_stages, order_errors, outputs, reference_at_codes, reference_name, stage_references
 from .judge import first_divergence, judge, stage_checks
 from .matrix import Entry, Point
-from .outputs import FAILED, FORWARD_QUANTITIES, STAGE_MODE, Outputs, References, kind_of, output_name
+from .outputs import (CODE_QUANTITIES, FAILED, FORWARD_QUANTITIES, OWN, STAGE_MODE, Outputs, References, kind_of,
+                      output_name, stage_of)
 from .tolerance import Policy
 
 
@@ -61,23 +64,72 @@ def collect(entry: Entry, reference: str = "live", candidate: Outputs | None = N
                 "a stage is judged against the live reference (the goldens store no stage inputs): "
                 "run with --reference live"))
             return (_own_error(entry, [candidate]) or na), References(oracle=na, at_dtype=na)
-        return _own_error(entry, [candidate]) or candidate, References(
-            oracle=stage_references(p.case, "float64"), at_dtype=stage_references(p.case, p.dtype))
+        stage = stage_of(entry.quantity)
+        at_dtype = stage_references(p.case, p.dtype, stage)
+        # The quantizer is judged against the reference's own quantizer at the dtype, on the same values.
+        oracle = at_dtype if stage == "quantizer" else stage_references(p.case, "float64", stage)
+        return _own_error(entry, [candidate]) or candidate, References(oracle=oracle, at_dtype=at_dtype)
+    quant = CASES[p.case].config.get("index_quant")
     references = References(
         oracle=outputs(ref, p.case, Point(p.case, "float64", teacher=p.teacher)),
         at_dtype=outputs(ref, p.case, Point(p.case, p.dtype, teacher=p.teacher)),
         native=outputs(entry.impl, p.case, p.native) if p.native else None,
         order_errors=order_errors(p.case, p.dtype, p.teacher),
         dims=dims(p.case),
+        quant=quant,
     )
     sides = [candidate, references.native, references.oracle, references.at_dtype]
-    return _own_error(entry, sides) or candidate, references
+    error = _own_error(entry, sides)
+    if error is None and quant is not None and judged_on_own_codes(entry):
+        references = _with_own_codes(entry, candidate, references, ref)
+    return error or candidate, references
+
+
+def judged_on_own_codes(entry: Entry) -> bool:
+    """Whether an entry of a quantized problem is also judged end to end on the candidate's own
+    codes: the forward values and top-k, and the dense loss and gradients. Sparse entries are
+    judged on common codes only (their `oracle@sel` check hands the oracle's selection, which
+    follows the oracle's codes); input gradients do not depend on codes."""
+    return (entry.mode == "forward" and entry.quantity in FORWARD_QUANTITIES) or (
+        entry.mode == "dense" and entry.quantity != "input_grads")
+
+
+def _with_own_codes(entry: Entry, candidate: Outputs, refs: References, ref: str) -> References:
+    """`refs` with the reference recomputed on the candidate's own codes (References.own), or the
+    reason it cannot be (`own_missing`): the goldens hold no such run, or the candidate gave no
+    codes. Own codes identical to the oracle's reuse the common-codes references."""
+    import dataclasses
+
+    p = entry.point
+    if ref != "torch_ref":
+        return dataclasses.replace(refs, own_missing=(
+            "not applicable with the goldens: they hold no reference run on the candidate's own codes "
+            "(run with --reference live)"))
+    lacking = [q for q in CODE_QUANTITIES if q not in candidate]
+    if lacking:
+        return dataclasses.replace(refs, own_missing=candidate.why_missing(lacking[0]))
+    codes = {q: candidate[q] for q in CODE_QUANTITIES}
+    if all(q in refs.oracle and np.array_equal(codes[q], refs.oracle[q]) for q in CODE_QUANTITIES):
+        own = dataclasses.replace(refs, native=None)
+    else:
+        own = dataclasses.replace(refs, native=None,
+                                  oracle=reference_at_codes(p.case, Point(p.case, "float64", teacher=p.teacher), codes),
+                                  at_dtype=reference_at_codes(p.case, p, codes))
+    return dataclasses.replace(refs, own=own)
 
 
 def reads(entry: Entry) -> list[str]:
-    """The canonical names (or prefixes) the judge reads of an entry's outputs."""
+    """The canonical names (or prefixes) the judge reads of an entry's outputs (of a quantized
+    problem also their `own.` twins, the run on the candidate's own codes)."""
+    names = _reads(entry)
+    if CASES[entry.point.case].config.get("index_quant") is not None and judged_on_own_codes(entry):
+        names += [OWN + n for n in names]
+    return names
+
+
+def _reads(entry: Entry) -> list[str]:
     q, mode = entry.quantity, entry.mode
-    if mode == STAGE_MODE or q in FORWARD_QUANTITIES:
+    if mode == STAGE_MODE or q in FORWARD_QUANTITIES or q in CODE_QUANTITIES:
         return [q]
     if q == "input_grads":
         return [f"input_grad.{mode}."]

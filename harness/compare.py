@@ -7,6 +7,8 @@ mismatch. Each kind of check has one message template (`CheckResult.message`):
   topk       how many queries pick other blocks beyond a boundary tie, how many ties
              were excused, the first differing query;
   isolation  how many input-gradient elements are not exactly 0, the largest, where;
+  codes      how many quantized codes or scales differ beyond a boundary tie, how many ties
+             were excused, the first unexcused difference (harness.codes);
   status     not provided / not applicable: why.
 
 All errors are *normalised* so one bound serves tensors of any scale:
@@ -62,7 +64,7 @@ class CheckResult:
     note: str = ""  # extra facts: excused ties, the torch-at-dtype error, the reason of a status
     context: str = ""  # the matrix point, e.g. "small float32 ichunk=2 tchunk=0 sparse"
     stats: dict = dataclasses.field(default_factory=dict)
-    template: str = "close"  # close | pattern | topk | isolation | status: which message
+    template: str = "close"  # close | pattern | topk | isolation | codes | status: which message
 
     def __post_init__(self) -> None:
         if self.status not in _VERDICT:
@@ -108,6 +110,12 @@ class CheckResult:
         body = (f"{self.mismatched} of {self.total} queries pick other blocks beyond a boundary tie, "
                 f"{excused} boundary-tie differences excused")
         return body + (f"; first at (b, s) = {self.where}: {self.stats['first']}" if self.stats.get("first") else "")
+
+    def _body_codes(self) -> str:
+        # the note counts the excused ties: "12 boundary-tie differences excused (...)"
+        unit = self.stats.get("unit", "elements")
+        body = f"{self.mismatched} of {self.total} {unit} differ beyond a boundary tie, {self.note}"
+        return body + (f"; first at index {self.where}: {self.stats['first']}" if self.stats.get("first") else "")
 
     def _body_isolation(self) -> str:
         if not self.mismatched:

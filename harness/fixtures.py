@@ -11,9 +11,10 @@ and other run-time knobs are never part of a fixture), seed, batch, seq_len,
 documents, tied_blocks, and the torch / numpy / csa-parity versions that wrote it.
 `fixtures/MANIFEST.json` maps each case to its file's sha256, size and config.
 
-Every golden is stored in its own dtype: `compressed_keys` in the compute dtype (F64,
-F32, BF16, F16), every other float quantity in the wide dtype (F64 for the float64
-oracle, F32 otherwise), `topk_indices` as I64, scalars as 0-d tensors.
+Every golden is stored in its own dtype: `compressed_keys` (and, where the problem quantizes,
+the rotated values) in the compute dtype (F64, F32, BF16, F16), every other float quantity in
+the wide dtype (F64 for the float64 oracle, F32 otherwise), `topk_indices` as I64, the
+quantizer's codes as U8 and its scales as F32, scalars as 0-d tensors.
 
 Codec: the `safetensors` library reads and writes the files (what users open them
 with). It writes the metadata map in hash order, so `write_safetensors` sorts that map
@@ -47,8 +48,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from .cases import CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, TEACHERS, Case
+from .outputs import CODE_QUANTITIES, ROTATED_NAMES
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = REPO_ROOT / "fixtures"
 MANIFEST_NAME = "MANIFEST.json"
@@ -68,7 +70,7 @@ ORDERR_QUANTITIES = ("compressed_keys", "index_scores", "loss.dense", "loss.spar
 # The names that depend on the teacher: a case that lists the `compressed` teacher also stores
 # them as `golden.<dtype>.compressed.<name>` (and `golden.<dtype>.compressed.orderr.<name>`);
 # the forward quantities are the same for both teachers and stored once.
-TEACHER_FREE = ("compressed_keys", "index_scores", "topk_indices")
+TEACHER_FREE = ("compressed_keys", "index_scores", "topk_indices", *CODE_QUANTITIES, *ROTATED_NAMES.values())
 
 
 def teacher_prefix(teacher: str) -> str:
@@ -134,6 +136,15 @@ class Fixture:
         """The float64 oracle's top-k: the `selection` of the sparse_at_oracle variant."""
         return self.goldens["float64"]["topk_indices"]
 
+    @property
+    def oracle_codes(self) -> dict[str, np.ndarray] | None:
+        """The float64 oracle's codes and scales (harness.outputs.CODE_QUANTITIES), which every
+        other run of a quantized problem scores (SPEC section 10's common codes); None when the
+        problem does not quantize."""
+        if self.config.get("index_quant") is None:
+            return None
+        return {q: self.goldens["float64"][q] for q in CODE_QUANTITIES}
+
 
 # --------------------------------------------------------------------------- schema
 
@@ -150,6 +161,11 @@ def golden_schema(case: Case) -> dict[str, tuple[tuple[int, ...], str, str]]:
       -inf at invalid blocks), topk_indices [B, S, k_eff] (int64, -1 = invalid
       pick), loss.dense and loss.sparse [] (wide), grad.dense.<param> and
       grad.sparse.<param> (wide, the parameter's shape).
+    Where the problem quantizes (`index_quant`), per dtype the reference's rotated values
+    rotated_queries [B, S, HI, DI] and rotated_keys [B, W, DI] (compute dtype: what its
+    quantizer saw), and for float64 the oracle's codes and scales query_codes, key_codes (U8)
+    and query_scales, key_scales (F32, [..., DI / block]). Every low dtype's goldens score the
+    oracle's codes (its `oracle_codes`), as the sparse_at_oracle variant uses its selection.
     Per dtype in LOW_DTYPES, also the sparse loss and gradients with the float64
     oracle's own top-k as `selection` (docs/plugins.md): loss.sparse_at_oracle,
     grad.sparse_at_oracle.<param>; and orderr.<name> [] float64 for each name of
@@ -161,13 +177,22 @@ def golden_schema(case: Case) -> dict[str, tuple[tuple[int, ...], str, str]]:
     """
     c = case.config
     B, S, W, k = case.batch, case.seq_len, case.num_blocks, case.k_eff
-    DI = c["index_head_dim"]
+    DI, HI, quant = c["index_head_dim"], c["index_n_heads"], c["index_quant"]
     pshapes = case.param_shapes()
     out: dict[str, tuple[tuple[int, ...], str, str]] = {}
     for dt in GOLDEN_DTYPES:
         wide = wide_dtype(dt)
         g = f"golden.{dt}."
         out[g + "compressed_keys"] = ((B, W, DI), dt, "[B, W, index_head_dim]")
+        if quant is not None:
+            nb = DI // quant["block"]
+            out[g + "rotated_queries"] = ((B, S, HI, DI), dt, "[B, S, index_n_heads, index_head_dim]")
+            out[g + "rotated_keys"] = ((B, W, DI), dt, "[B, W, index_head_dim]")
+            if dt == "float64":
+                out[g + "query_codes"] = ((B, S, HI, DI), "uint8", "[B, S, index_n_heads, index_head_dim]")
+                out[g + "query_scales"] = ((B, S, HI, nb), "float32", "[B, S, index_n_heads, index_head_dim / block]")
+                out[g + "key_codes"] = ((B, W, DI), "uint8", "[B, W, index_head_dim]")
+                out[g + "key_scales"] = ((B, W, nb), "float32", "[B, W, index_head_dim / block]")
         out[g + "index_scores"] = ((B, S, W), wide, "[B, S, W]")
         out[g + "topk_indices"] = ((B, S, k), "int64", "[B, S, min(index_topk, W)]")
         if dt in LOW_DTYPES:
@@ -219,7 +244,7 @@ def tensor_schema(case: Case) -> dict[str, tuple[tuple[int, ...], str, str]]:
 
 # safetensors dtype tag <-> numpy dtype name. BF16 is widened to float32 on read.
 _TAG_OF = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-           "int64": "I64", "int32": "I32"}
+           "int64": "I64", "int32": "I32", "uint8": "U8"}
 _NAME_OF = {v: k for k, v in _TAG_OF.items()}
 
 
@@ -318,7 +343,7 @@ def _diagnose(data: bytes, library_message: str) -> str:
         return f"the data is truncated: the header describes {described} bytes, the file holds {held}"
     if described < held:
         return f"the data is followed by stray bytes: the header describes {described} bytes, the file holds {held}"
-    itemsize = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2}
+    itemsize = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "U8": 1}
     for end, name, tag, shape, start in sorted(spans, key=lambda s: s[4]):
         size = math.prod(shape) * itemsize[tag]
         if end - start != size:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import os
 import sys
@@ -49,7 +50,8 @@ import numpy as np
 from . import reference_cache, timing, worker
 from .compare import to_numpy
 from .matrix import Point, mesh_text, seq_split_reason
-from .outputs import FORWARD_QUANTITIES, LOSS_VARIANTS, PARAM_NAMES, STAGE_INPUTS, Outputs, all_names
+from .outputs import (CODE_QUANTITIES, FORWARD_QUANTITIES, LOSS_VARIANTS, OWN, PARAM_NAMES, ROTATED_NAMES, STAGE_INPUTS,
+                      Outputs, all_names)
 from .worker import WorkerCrash
 
 PROTOCOL = ("CSAConfig", "indexer_forward", "indexer_loss_and_grads")
@@ -76,8 +78,10 @@ class ImplementationError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """What an implementation runs on: a config (no run-time knobs), the inputs and
-    parameters (canonical names, numpy, [in, out]) and the float64 oracle's top-k (the
-    `selection` of the sparse_at_oracle variant; None while the oracle itself runs).
+    parameters (canonical names, numpy, [in, out]), the float64 oracle's top-k (the
+    `selection` of the sparse_at_oracle variant; None while the oracle itself runs) and,
+    where the problem quantizes, the oracle's codes and scales (CODE_QUANTITIES: what every
+    other run scores, SPEC section 10's common codes; None while the oracle runs).
     A loaded fixture (harness.fixtures.Fixture) has the same attributes."""
 
     name: str
@@ -85,6 +89,7 @@ class Problem:
     inputs: Mapping[str, np.ndarray]
     params: Mapping[str, np.ndarray]
     oracle_selection: np.ndarray | None = None
+    oracle_codes: Mapping[str, np.ndarray] | None = None
 
 
 def run_config(problem_config: Mapping[str, Any], point: Point, sparse: bool) -> dict[str, Any]:
@@ -115,7 +120,7 @@ def bundle_values(raw) -> dict[str, np.ndarray]:
 
 def _canonical(forward, runs) -> dict[str, np.ndarray]:
     """Canonical names from a forward dict and {variant: (loss, param_grads, input_grads)}."""
-    values = {k: to_numpy(v) for k, v in (forward or {}).items() if k in FORWARD_QUANTITIES}
+    values = {k: to_numpy(v) for k, v in (forward or {}).items() if k in FORWARD_QUANTITIES + CODE_QUANTITIES}
     for variant, (loss, pg, ig) in runs.items():
         values[f"loss.{variant}"] = to_numpy(loss).reshape(())
         values.update({f"grad.{variant}.{k}": to_numpy(v) for k, v in pg.items()})
@@ -150,34 +155,61 @@ class ProtocolImplementation:
                    f"not the {point.teacher} one")
             out.update({"loss.": why, "grad.": why, "input_grad.": why})
         if not self._has("indexer_forward"):
-            out.update({q: f"{self.name} has no indexer_forward" for q in FORWARD_QUANTITIES})
+            out.update({q: f"{self.name} has no indexer_forward" for q in FORWARD_QUANTITIES + CODE_QUANTITIES})
         if not self._has("indexer_loss_and_grads"):
             why = f"{self.name} has no indexer_loss_and_grads"
             out.update({"loss.": why, "grad.": why, "input_grad.": why})
         return out
 
     def run(self, problem, point: Point) -> Outputs:
+        """Every quantity at `point`. Where the problem quantizes and the oracle's codes are
+        known, twice (SPEC section 10): scoring the oracle's codes (the plain names: judged
+        like any problem's), then on the candidate's own codes (its codes and scales under
+        their names, its other outputs under `own.`: judged against the reference recomputed
+        on those codes)."""
         if point.mesh is not None:
             return self._run_sharded(problem, point)
+        codes = getattr(problem, "oracle_codes", None)
+        values, errors = self._run_calls(problem, point, codes)
+        if codes is not None:
+            own, own_errors = self._run_calls(problem, point, None, " (own codes)")
+            values = {k: v for k, v in values.items() if k not in CODE_QUANTITIES}
+            values.update({k: v for k, v in own.items() if k in CODE_QUANTITIES})
+            values.update({OWN + k: v for k, v in own.items() if k not in CODE_QUANTITIES})
+            errors.update({(k if k in CODE_QUANTITIES else OWN + k): line for k, line in own_errors.items()})
+        missing = self.missing(point)
+        values = {k: v for k, v in values.items() if not any(k.removeprefix(OWN).startswith(m) for m in missing)}
+        if problem.oracle_selection is None:
+            missing.setdefault("loss.sparse_at_oracle", "no oracle selection was given")
+            missing.setdefault("grad.sparse_at_oracle.", "no oracle selection was given")
+        return Outputs(self.name, values, missing, errors=errors)
+
+    def _run_calls(self, problem, point: Point, codes, tag: str = "") -> tuple[dict, dict]:
+        """(values, errors) of every call at `point`; `codes` (the oracle's, or None) handed to
+        each entry point as `codes=` (docs/plugins.md)."""
         selection = problem.oracle_selection
+        extra = {} if codes is None else {"codes": dict(codes)}
         dense_cfg = self.config(run_config(problem.config, point, False))
         validate = getattr(self.api, "validate_inputs", None)  # optional: host-side value checks
-        if callable(validate):
+        if callable(validate) and not tag:
             with worker.stage(f"{self.name} validate_inputs", point.label):
                 validate(problem.params, problem.inputs, dense_cfg, selection)
         bundle = getattr(self.api, "indexer_parity_bundle", None)
         losses = self._has("indexer_loss_and_grads") and point.teacher in self.teachers()
         values, errors = {}, {}
         if callable(bundle) and selection is not None and losses:
-            with worker.stage(f"{self.name} indexer_parity_bundle", point.label):
-                values = bundle_values(bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection))
+            with worker.stage(f"{self.name} indexer_parity_bundle{tag}", point.label):
+                values = bundle_values(bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection,
+                                              **extra))
         else:
             # One call at a time, each owning its quantities: a loss that raises leaves the forward judged.
             if self._has("indexer_forward"):
                 def forward():
-                    return _canonical(self.api.indexer_forward(problem.params, problem.inputs, dense_cfg, point.dtype), {})
+                    return _canonical(self.api.indexer_forward(problem.params, problem.inputs, dense_cfg, point.dtype,
+                                                               **extra), {})
 
-                values.update(_attributed(self.name, "indexer_forward", point, FORWARD_QUANTITIES, errors, forward) or {})
+                values.update(_attributed(self.name, f"indexer_forward{tag}", point,
+                                          FORWARD_QUANTITIES + CODE_QUANTITIES, errors, forward) or {})
             if losses:
                 sparse_cfg = self.config(run_config(problem.config, point, True))
                 todo = [("dense", dense_cfg, None), ("sparse", sparse_cfg, None)]
@@ -186,17 +218,12 @@ class ProtocolImplementation:
                 for variant, cfg, sel in todo:
                     def loss(cfg=cfg, sel=sel, variant=variant):
                         return _canonical(None, {variant: self.api.indexer_loss_and_grads(
-                            problem.params, problem.inputs, cfg, point.dtype, selection=sel)})
+                            problem.params, problem.inputs, cfg, point.dtype, selection=sel, **extra)})
 
                     owns = (f"loss.{variant}", f"grad.{variant}.", f"input_grad.{variant}.")
-                    values.update(_attributed(self.name, f"indexer_loss_and_grads ({variant})", point, owns, errors,
-                                              loss) or {})
-        missing = self.missing(point)
-        values = {k: v for k, v in values.items() if not any(k.startswith(m) for m in missing)}
-        if selection is None:
-            missing.setdefault("loss.sparse_at_oracle", "no oracle selection was given")
-            missing.setdefault("grad.sparse_at_oracle.", "no oracle selection was given")
-        return Outputs(self.name, values, missing, errors=errors)
+                    values.update(_attributed(self.name, f"indexer_loss_and_grads ({variant}){tag}", point, owns,
+                                              errors, loss) or {})
+        return values, errors
 
     def _run_sharded(self, problem, point: Point) -> Outputs:
         sharded = getattr(self.api, "sharded", None) if self.name != "jax" else importlib.import_module("jax_impl.sharded")
@@ -325,7 +352,9 @@ class StageImplementation:
     the unmasked scores in the wide dtype. The inputs are JAX arrays on JAX's default device,
     in the forward call and under jax.vjp alike, unless the plug-in says `ARRAYS = "numpy"`
     (STAGE_ARRAYS). When it returns a JAX array its gradient with respect to the three inputs is
-    taken with jax.vjp and the harness's fixed cotangent. Every other quantity is not provided."""
+    taken with jax.vjp and the harness's fixed cotangent. Or `STAGE = "quantizer"` and
+    `quantizer(x, quant) -> (codes, scales)` (SPEC section 7a steps 2-3; `_run_quantizer`), on a
+    problem with index_quant only. Every other quantity is not provided."""
 
     name: str
     api: Any
@@ -334,11 +363,13 @@ class StageImplementation:
 
     def missing(self) -> dict[str, str]:
         why = f"{self.name} provides only the {self.stage} stage"
-        return {**{n: why for n in all_names()}, "loss.": why, "grad.": why, "input_grad.": why}
+        return {**{n: why for n in all_names() + CODE_QUANTITIES}, "loss.": why, "grad.": why, "input_grad.": why}
 
     def run(self, problem, point: Point) -> Outputs:
         if point.mesh is not None:
             return Outputs(self.name, not_applicable=f"{self.name} is a stage plug-in: no sharded runs")
+        if self.stage == "quantizer":
+            return self._run_quantizer(problem, point)
         inputs = reference_stage_values(problem, point.dtype)
         args = [inputs[f"input.{n}"] for n in STAGE_INPUTS[self.stage]]
         if self.arrays == "jax":  # on JAX's default device; the forward call and jax.vjp get the same arrays
@@ -377,6 +408,47 @@ class StageImplementation:
                                                     "array: its gradient is not taken (JAX plug-ins: jax.vjp)")
         return Outputs(self.name, values, missing, errors=errors)
 
+    def _run_quantizer(self, problem, point: Point) -> Outputs:
+        """`quantizer(x, quant) -> (codes, scales)`, called twice: on the reference's rotated queries
+        [B, S, HI, DI], then on its rotated keys [B, W, DI] (each the dtype's values held wide,
+        what the reference's own quantizer saw), with the problem's index_quant. The codes must be
+        uint8 of x's shape, the scales float32 [..., DI / block]; anything else is an error of that
+        call, one line naming the quantizer."""
+        quant = problem.config.get("index_quant")
+        if quant is None:
+            return Outputs(self.name, not_applicable=quantizer_not_applicable(problem.name))
+        ref = reference_quantizer_values(problem, point.dtype)
+        fn = getattr(self.api, self.stage)
+        values, errors = {}, {}
+        for side, rotated in ROTATED_NAMES.items():
+            names = (f"stage.quantizer.{side}_codes", f"stage.quantizer.{side}_scales")
+            x = ref[f"input.{rotated}"]
+
+            def call(x=x, side=side, names=names):
+                if self.arrays == "jax":  # on JAX's default device
+                    import jax
+
+                    x = jax.device_put(x)
+                out = fn(x, dict(quant))
+                if not isinstance(out, (tuple, list)) or len(out) != 2:
+                    raise ValueError(f"quantizer() returned {type(out).__name__}, expected (codes, scales)")
+                got = {}
+                for name, value, dtype, what in zip(names, out, (np.uint8, np.float32), ("codes", "scales")):
+                    arr, want = to_numpy(value), ref[name]
+                    if arr.shape != want.shape or arr.dtype != dtype:
+                        raise ValueError(f"quantizer() returned {side} {what} of shape {tuple(arr.shape)} {arr.dtype}, "
+                                         f"expected {tuple(want.shape)} {np.dtype(dtype)}")
+                    got[name] = arr
+                return got
+
+            call_name = f"quantizer() ({'queries' if side == 'query' else 'keys'})"
+            values.update(_attributed(self.name, call_name, point, names, errors, call) or {})
+        return Outputs(self.name, values, self.missing(), errors=errors)
+
+
+def quantizer_not_applicable(case: str) -> str:
+    return f"case {case} does not quantize (index_quant is null)"
+
 
 def reference_stage_values(problem, dtype: str) -> dict[str, np.ndarray]:
     """The live reference's scoring stage at `dtype` (cached per problem and dtype): its inputs
@@ -412,10 +484,47 @@ def _reference_stage_values_timed(name, dtype, directory) -> dict[str, np.ndarra
     return values
 
 
-def stage_references(case: str, dtype: str) -> Outputs:
-    """The reference's stage quantities at `dtype` as Outputs (the judge's oracle / at_dtype of
-    a stage entry)."""
-    values = reference_stage_values(fixture(case), dtype)
+def reference_quantizer_values(problem, dtype: str) -> dict[str, np.ndarray]:
+    """The live reference's quantizer at `dtype` (cached per problem and dtype), for a problem with
+    `index_quant`: its inputs (`input.rotated_queries` [B, S, HI, DI], `input.rotated_keys`
+    [B, W, DI]: the queries and keys after RoPE, rotated (SPEC section 7a step 1), the dtype's values
+    held in the wide dtype) and the codes (uint8) and scales (float32) its own quantizer makes of
+    them (torch_ref.quant.quantize, steps 2-3), `stage.quantizer.<CODE_QUANTITIES>`."""
+    return _reference_quantizer_values(problem.name, dtype, fixtures_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_quantizer_values(name, dtype, directory) -> dict[str, np.ndarray]:
+    with timing.section("reference"):
+        import torch_ref
+
+        problem = _fixture(name, directory)
+        cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in problem.config.items() if k not in KNOBS})
+        quant = dict(problem.config["index_quant"])
+        with worker.stage("torch_ref quantizer stage", Point(name, dtype).label), deterministic_torch() as torch:
+            st = torch_ref.forward_stages(problem.params, problem.inputs, cfg, dtype)
+            wide = torch.float64 if dtype == "float64" else torch.float32
+            values = {}
+            for side, rotated_name in ROTATED_NAMES.items():
+                x = st["queries" if side == "query" else "keys"]
+                rotated = torch_ref.quant.rotate(x, quant, x.dtype, wide).to(wide)
+                _, _, codes, scales = torch_ref.quant.quantize(rotated, quant, wide)
+                values[f"input.{rotated_name}"] = rotated.numpy().copy()
+                values[f"stage.quantizer.{side}_codes"] = codes.numpy().astype(np.uint8)
+                values[f"stage.quantizer.{side}_scales"] = scales.numpy().astype(np.float32)
+        return values
+
+
+def stage_references(case: str, dtype: str, stage: str = "scores") -> Outputs:
+    """The reference's stage quantities of `stage` at `dtype` as Outputs (the judge's oracle /
+    at_dtype of a stage entry); a quantizer stage on a case that does not quantize is not applicable."""
+    problem = fixture(case)
+    if stage == "quantizer":
+        if problem.config.get("index_quant") is None:
+            return Outputs(f"torch_ref@{dtype}", not_applicable=quantizer_not_applicable(case))
+        values = reference_quantizer_values(problem, dtype)
+    else:
+        values = reference_stage_values(problem, dtype)
     return Outputs(f"torch_ref@{dtype}", {k: v for k, v in values.items() if not k.startswith("input.")})
 
 
@@ -494,7 +603,12 @@ class TorchReference:
     # The loss variants to compute (the order errors of harness.regenerate need two of them).
     variants: tuple[str, ...] = LOSS_VARIANTS
 
-    def run(self, problem, point: Point) -> Outputs:
+    def run(self, problem, point: Point, codes: Mapping[str, np.ndarray] | None = None) -> Outputs:
+        """The reference at `point`. Where the problem quantizes: below float64 it scores the
+        oracle's codes (`problem.oracle_codes`, SPEC section 10's common codes), or `codes` when
+        given (at any dtype: the reference recomputed on a candidate's own codes); its rotated
+        values (ROTATED_NAMES) come with it, and in float64, unless `codes` are given, the codes
+        and scales it computed (the oracle's)."""
         import ml_dtypes
         import torch_ref
 
@@ -502,6 +616,10 @@ class TorchReference:
         cfg["teacher_normaliser"] = point.teacher
         dense = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": False})
         sparse = torch_ref.CSAConfig.from_dict({**cfg, "sparse_loss": True})
+        dt = point.dtype
+        quantized = cfg.get("index_quant") is not None
+        imposed = codes if codes is not None else (getattr(problem, "oracle_codes", None) if dt != "float64" else None)
+        extra = {"codes": dict(imposed)} if quantized and imposed is not None else {}
 
         with worker.stage("torch_ref", point.label), deterministic_torch() as torch:
             def np_of(t) -> np.ndarray:
@@ -510,17 +628,24 @@ class TorchReference:
                     return t.float().numpy().astype(ml_dtypes.bfloat16)
                 return t.numpy().copy()
 
-            dt = point.dtype
-            fwd = torch_ref.indexer_forward(problem.params, problem.inputs, dense, dt)
+            fwd = torch_ref.indexer_forward(problem.params, problem.inputs, dense, dt, **extra)
             values = {"compressed_keys": np_of(fwd["compressed_keys"]),
                       "index_scores": np_of(fwd["index_scores"]),
                       "topk_indices": np_of(fwd["topk_indices"]).astype(np.int64)}
+            if quantized:
+                stages = torch_ref.forward_stages(problem.params, problem.inputs, dense, dt)
+                wide = torch.float64 if dt == "float64" else torch.float32
+                for side, name in ROTATED_NAMES.items():
+                    x = stages["queries" if side == "query" else "keys"]
+                    values[name] = np_of(torch_ref.quant.rotate(x, dense.index_quant, x.dtype, wide))
+                if not extra:
+                    values.update({q: np_of(fwd[q]) for q in CODE_QUANTITIES})
             todo = [("dense", dense, None), ("sparse", sparse, None)]
             if problem.oracle_selection is not None and dt != "float64":
                 todo.append(("sparse_at_oracle", sparse, problem.oracle_selection))
             for variant, c, sel in [t for t in todo if t[0] in self.variants]:
                 loss, grads, _ = torch_ref.indexer_loss_and_grads(problem.params, problem.inputs, c, dt,
-                                                                  selection=sel)
+                                                                  selection=sel, **extra)
                 values[f"loss.{variant}"] = np_of(loss).reshape(())
                 for p in PARAM_NAMES:
                     values[f"grad.{variant}.{p}"] = np_of(grads[p])
@@ -639,6 +764,31 @@ def _cached_reference(case: str, point: Point, directory: str | None) -> Outputs
     return out
 
 
+def reference_at_codes(case: str, point: Point, codes: Mapping[str, np.ndarray]) -> Outputs:
+    """The live reference on `case` at `point`'s dtype and teacher, scoring `codes` (a
+    candidate's own codes and scales) in place of its own: what the candidate's end-to-end
+    outputs on its own codes are judged against (SPEC section 10). The forward and the dense
+    loss; cached per process by the codes' bytes."""
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(codes[q]).tobytes() for q in CODE_QUANTITIES)).hexdigest()
+    return _reference_at_codes(case, point.dtype, point.teacher, digest, fixtures_dir(),
+                               tuple((q, np.asarray(codes[q])) for q in CODE_QUANTITIES))
+
+
+_AT_CODES: dict = {}  # (case, dtype, teacher, codes digest, fixtures directory) -> Outputs
+
+
+def _reference_at_codes(case, dtype, teacher, digest, directory, codes) -> Outputs:
+    key = (case, dtype, teacher, digest, directory)
+    if key not in _AT_CODES:
+        with timing.section("reference"):
+            try:
+                _AT_CODES[key] = TorchReference(variants=("dense",)).run(
+                    _fixture(case, directory), Point(case, dtype, teacher=teacher), codes=dict(codes))
+            except WorkerCrash as exc:
+                _AT_CODES[key] = Outputs("torch_ref", error=str(exc))
+    return _AT_CODES[key]
+
+
 def _outputs_here(spec: str, case: str, point: Point, directory: str | None) -> Outputs:
     return implementation(spec).run(_fixture(case, directory), point)
 
@@ -651,5 +801,7 @@ def reference_name(reference: str) -> str:
 
 
 def clear_caches() -> None:
-    for fn in (_fixture, implementation, _outputs, _reference_stage_values, _forward_stages, _isolated_forward_stages):
+    for fn in (_fixture, implementation, _outputs, _reference_stage_values, _reference_quantizer_values,
+               _forward_stages, _isolated_forward_stages):
         fn.cache_clear()
+    _AT_CODES.clear()

@@ -21,6 +21,12 @@ For an entry (case, dtype t, chunks, mode, quantity) of implementation X:
              place of `chunk`; also xla@sel, xla-topk): the tight BACKEND bound.
   topk       sets per query vs the oracle's, boundary ties excused within the score bound.
   isolation  d loss / d inputs exactly 0.
+A problem that quantizes (SPEC section 7a, 10) adds the quantizer's codes and scales, judged by
+the boundary-tie rule (harness.codes; `chunk`: bit for bit against the native run), and
+judges everything after them on common codes: every check above compares runs that all score
+the float64 oracle's codes, and the forward and dense entries once more end to end on the
+candidate's own codes (`@own` checks: its `own.` outputs against the live reference
+recomputed on those codes; not applicable with the goldens).
 Sparse mode depends on a discrete selection, so every sparse quantity is judged twice:
   oracle@sel  X and the reference@t both given the oracle's selection (variant
               `sparse_at_oracle`): the pure math check.
@@ -37,9 +43,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .compare import CheckResult, compare_close, exactly_zero, normalised_error, oracle_relative, status_result, topk_sets
-from .outputs import (ERROR, EXCUSED, FAILED, FORWARD_STAGES, NOT_APPLICABLE, NOT_PROVIDED, STAGE_MODE, Outputs,
-                      References, output_name)
+import dataclasses
+
+from .codes import codes_check, scales_check
+from .compare import (CheckResult, compare_close, exactly_zero, identical, normalised_error, oracle_relative,
+                      status_result, topk_sets)
+from .outputs import (CODE_QUANTITIES, ERROR, EXCUSED, FAILED, FORWARD_STAGES, NOT_APPLICABLE, NOT_PROVIDED, OWN,
+                      ROTATED_NAMES, STAGE_MODE, Outputs, References, output_name)
 from .tolerance import Policy
 
 
@@ -102,6 +112,56 @@ def _topk(outputs: Outputs, refs: References, dtype: str, policy: Policy, check:
                           refs.order_errors.get("index_scores"), refs.dims)
     reference = (against or oracle)["topk_indices"]
     return topk_sets(quantity, outputs["topk_indices"], reference, oracle["index_scores"], tol, check=check)
+
+
+def code_tolerance(refs: References, side: str, dtype: str, policy: Policy) -> float:
+    """The normalised tolerance of the quantizer's input for the boundary-tie rule: exact64 in
+    float64; else the forward rule's alpha * max(err(reference@t), floor) with err the
+    reference's own error on the rotated values of `side` (query | key) at the dtype, per
+    vector of DI channels. The rotated value is the dtype's rounding of a wide sum, as a
+    compressed key is: the compressed keys' alpha and floor (one unit roundoff) judge it."""
+    if dtype == "float64":
+        return policy.exact64
+    name = ROTATED_NAMES[side]
+    err, _, _ = normalised_error(refs.at_dtype[name], refs.oracle[name], "row")
+    return policy.alpha("compressed_keys") * max(err, policy.floor(dtype, "compressed_keys"))
+
+
+def _codes(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
+    """A code or scale quantity (query_codes, query_scales, key_codes, key_scales) against the
+    oracle's by the boundary-tie rule (harness.codes), and bit for bit against the native run."""
+    p, q = entry.point, entry.quantity
+    side = q.split("_")[0]
+    codes, scales = f"{side}_codes", f"{side}_scales"
+    miss = _missing(outputs, [codes, scales], "oracle", q)
+    if miss:
+        return [miss]
+    rot = ROTATED_NAMES[side]
+    for name, ref in ((codes, refs.oracle), (scales, refs.oracle), (rot, refs.oracle), (rot, refs.at_dtype)):
+        if name not in ref:
+            return [status_result("oracle", q, NOT_PROVIDED, ref.why_missing(name))]
+    bound = code_tolerance(refs, side, p.dtype, policy)
+    fmt, block = refs.quant["format"], refs.quant["block"]
+    oracle_rot, at_rot = refs.oracle[rot], refs.at_dtype[rot]
+    if q == scales:
+        out = [scales_check("oracle", q, outputs[scales], refs.oracle[scales], oracle_rot, at_rot, fmt, block, bound)]
+    else:
+        out = [codes_check("oracle", q, outputs[codes], outputs[scales], refs.oracle[codes], refs.oracle[scales],
+                           oracle_rot, at_rot, fmt, block, bound)]
+    if refs.native is not None:
+        versus, _ = _native_rule(p, policy)
+        out.append(identical(versus, q, outputs[q], refs.native[q]))
+    return out
+
+
+def _on_own_codes(entry, outputs: Outputs, refs: References, policy: Policy, rule) -> list[CheckResult]:
+    """The entry's checks once more on the candidate's own codes: its `own.` outputs against
+    the reference recomputed on them (References.own), each check named `<check>@own`."""
+    if refs.own is None:
+        return [status_result("oracle@own", entry.quantity, NOT_APPLICABLE, refs.own_missing)]
+    own = Outputs(outputs.source, {k[len(OWN):]: v for k, v in outputs.values.items() if k.startswith(OWN)},
+                  outputs.missing)
+    return [dataclasses.replace(r, check=f"{r.check}@own") for r in rule(entry, own, refs.own, policy)]
 
 
 def _forward(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
@@ -184,11 +244,16 @@ def _sparse(entry, outputs: Outputs, refs: References, policy: Policy) -> list[C
 
 def _stage(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
     """A stage plug-in's quantity (stage.<s>, stage_grad.<s>.<input>) against the float64
-    reference's stage, with the reference's own stage at the entry's dtype as the baseline."""
+    reference's stage, with the reference's own stage at the entry's dtype as the baseline.
+    The quantizer's codes and scales (stage.quantizer.*), made from the very values the
+    reference's quantizer saw, are identical to the reference's at the dtype, bit for bit."""
     p, q = entry.point, entry.quantity
-    miss = _missing(outputs, [q], "oracle", q)
+    quantizer = q.startswith("stage.quantizer.")
+    miss = _missing(outputs, [q], "identical" if quantizer else "oracle", q)
     if miss:
         return [miss]
+    if quantizer:
+        return [identical("identical", q, outputs[q], refs.at_dtype[q])]
     if p.dtype == "float64":
         return [compare_close("exact64", q, outputs[q], refs.oracle[q], policy.exact64, _scale(q))]
     return [oracle_relative(q, outputs[q], refs.oracle[q], refs.at_dtype[q], policy.alpha(q),
@@ -203,12 +268,18 @@ def judge(entry, outputs: Outputs, references: References, policy: Policy = Poli
         results = _stage(entry, outputs, references, policy)
     elif outputs.not_applicable:
         results = [status_result("-", entry.quantity, NOT_APPLICABLE, outputs.not_applicable)]
+    elif entry.mode == "forward" and entry.quantity in CODE_QUANTITIES:
+        results = _codes(entry, outputs, references, policy)
     elif entry.mode == "forward":
         results = _forward(entry, outputs, references, policy)
+        if references.quant is not None:
+            results += _on_own_codes(entry, outputs, references, policy, _forward)
     elif entry.quantity == "input_grads":
         results = _isolation(entry, outputs, policy)
     elif entry.mode == "dense":
         results = _dense(entry, outputs, references, policy)
+        if references.quant is not None:
+            results += _on_own_codes(entry, outputs, references, policy, _dense)
     elif entry.mode == "sparse":
         results = _sparse(entry, outputs, references, policy)
     else:

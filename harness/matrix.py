@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from .cases import CASES, TEACHERS
-from .outputs import FORWARD_QUANTITIES, LOSS_QUANTITIES, MODES, kind_of
+from .outputs import LOSS_QUANTITIES, MODES, forward_quantities, kind_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 TEACHER_CHUNK_DTYPES = ("float32", "float64")
@@ -143,7 +143,7 @@ class Entry:
 
     @property
     def kind(self) -> str:
-        """forward | topk | loss | grad | isolation (harness.outputs.kind_of)."""
+        """forward | topk | loss | grad | isolation | codes (harness.outputs.kind_of)."""
         return kind_of(self.quantity)
 
     @property
@@ -236,6 +236,12 @@ CI_DTYPES = {
     "teacher_gap": (("bfloat16", "float32"), ()),
     "yarn_tail": (("float16", "float64"), ("float64",)),
     "packed_edges": (("bfloat16", "float64"), ("float64",)),
+    # The quantized cases (docs/matrix.md): the released preset and the planted boundaries in
+    # every dtype, V3.2's e4m3 and the packed blocks in two.
+    "quant_v4": (DTYPES, ("float32",)),
+    "quant_v32": (("bfloat16", "float64"), ("bfloat16",)),
+    "quant_planted": (DTYPES, ("float64",)),
+    "quant_packed": (("float16", "float32"), ("float32",)),
 }
 # On sweep case j, value class c runs in one of the dtypes the default sample sweeps that knob
 # in, the (c + j)-th.
@@ -281,6 +287,7 @@ COMPRESSED_CI = {
     "all_invalid": "bfloat16", "topk_wide": "float32", "ties": "float64", "flash_dims": "bfloat16",
     "window_only": "float16", "sink_only": "float32", "window_one": "bfloat16", "window_wide": "float16",
     "window_heavy": "float32", "teacher_gap": "float64", "yarn_tail": "float64", "packed_edges": "float64",
+    "quant_v4": "bfloat16", "quant_v32": "float16", "quant_planted": "float32", "quant_packed": "float64",
 }
 COMPRESSED_COMBINED = {"ci": {"small": ("bfloat16",), "teacher_gap": ("float64",)},
                        "default": {case: ("float32", "bfloat16", "float64") for case in CASES}}
@@ -339,13 +346,14 @@ def pallas_points(case: str, dtype: str, sample: str = "default") -> list[tuple[
 
 def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
     """Every entry of one point (forward quantities only at teacher chunk 0 and with the joint
-    teacher: they do not depend on the teacher)."""
+    teacher: they do not depend on the teacher; where the problem quantizes, its codes and
+    scales among them)."""
     out = []
     for mode in modes or MODES:
         if mode == "forward":
             if point.tchunk or point.teacher != "joint":
                 continue
-            quantities = FORWARD_QUANTITIES
+            quantities = forward_quantities(CASES[point.case].config)
         else:
             quantities = LOSS_QUANTITIES
         out.extend(Entry(point, mode, q, impl) for q in quantities)

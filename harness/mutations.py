@@ -82,6 +82,8 @@ YARN64 = Point("yarn_tail", "float64")
 # 6-token window that crosses every edge. The worker runs it on 8 simulated CPU devices
 # (mutation_worker.run); the `chunk` check compares it with one device at the same knobs.
 EDGES64_SEQ4 = Point("packed_edges", "float64", mesh=(1, 4, 1))
+# The quantized case whose queries sit exactly on the quantizer's boundaries, in every dtype.
+PLANTED64 = Point("quant_planted", "float64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,6 +648,16 @@ CATALOGUE: tuple[Mutant, ...] = (
          "    return codes * per_channel, codes, scales\n", "    return codes, codes, scales\n",
          "the codes scored without their block scale", ()),
       )),
+    # Round half away from zero (C's round(), a float8 cast written by hand): only a value exactly
+    # on a midpoint tells it from half to even, and only the planted case puts values there, exact
+    # in every dtype. The codes' `oracle` check excuses no tie where the value is exact
+    # (harness.codes), so it kills it in float64 here and in every dtype in the matrix.
+    Mutant("quant_round_half_away", "quantization", "quant.py",
+           "    return jnp.sign(v) * (jnp.round(mag / spacing) * spacing)\n",
+           "    return jnp.sign(v) * (jnp.floor(mag / spacing + 0.5) * spacing)\n",
+           ("oracle",), (PLANTED64,),
+           "codes rounded half away from zero instead of half to even: every value on a midpoint "
+           "takes the larger neighbour"),
 )
 
 

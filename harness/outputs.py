@@ -5,6 +5,8 @@ Canonical names (the keys of `Outputs.values`, of the fixture goldens, of everyt
 between an implementation and the judge):
 
     compressed_keys, index_scores, topk_indices          the forward quantities
+    query_codes, query_scales, key_codes, key_scales     the quantizer's outputs (SPEC section 7a;
+                                                         only where the problem quantizes)
     loss.<variant>                                       the scalar loss
     grad.<variant>.<param>                               d loss / d parameter
     input_grad.<variant>.<input>                         d loss / d input (must be exactly 0)
@@ -32,6 +34,17 @@ PARAM_NAMES = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm",
 FLOAT_INPUT_NAMES = ("hidden_states", "q_latent", "teacher_query", "teacher_kv", "teacher_window_kv", "attention_sink")
 
 FORWARD_QUANTITIES = ("compressed_keys", "index_scores", "topk_indices")
+# The quantizer's outputs (SPEC section 7a), forward quantities of a problem with `index_quant`:
+# bit patterns (uint8) and UE8M0 block scales (float32), of the queries [B, S, HI, DI] and
+# [B, S, HI, DI / block] and of the compressed keys [B, W, DI] and [B, W, DI / block].
+CODE_QUANTITIES = ("query_codes", "query_scales", "key_codes", "key_scales")
+# The reference's rotated values, what its quantizer saw ([B, S, HI, DI] and [B, W, DI], the
+# dtype's values held wide): the judge reads them to tell a boundary tie from a wrong code.
+# A reference's output, never a candidate's quantity.
+ROTATED_NAMES = {"query": "rotated_queries", "key": "rotated_keys"}
+# Prefix of a candidate's end-to-end outputs on its own codes (the common-codes run, under the
+# plain names, scores the float64 oracle's codes: SPEC section 10).
+OWN = "own."
 # The matrix's loss quantities (mode-free); `output_name` adds the variant.
 LOSS_QUANTITIES = ("loss", *(f"grad.{p}" for p in PARAM_NAMES), "input_grads")
 MODES = ("forward", "dense", "sparse")
@@ -44,29 +57,48 @@ PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE, ERROR = (
     "passed", "failed", "excused", "not_provided", "not_applicable", "error")
 STATUSES = (PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE, ERROR)
 
-# Stage plug-ins: the stages a plug-in may provide alone (`STAGE = "scores"`),
-# the matrix mode of their entries and their quantities. `stage.scores` is the stage output
-# [B, S, W]; `stage_grad.scores.<input>` its vector-Jacobian product with the harness's fixed
-# cotangent (harness.implementations.stage_cotangent) with respect to q, keys, head_weights.
+# Stage plug-ins: the stages a plug-in may provide alone (`STAGE = "scores"` or "quantizer"),
+# the matrix mode of their entries and their quantities (stage name -> the function's arguments).
+# `stage.scores` is the scoring stage's output [B, S, W]; `stage_grad.scores.<input>` its
+# vector-Jacobian product with the harness's fixed cotangent (harness.implementations.stage_cotangent)
+# with respect to q, keys, head_weights. The quantizer (SPEC section 7a steps 2-3) is handed `x`,
+# the reference's rotated values (ROTATED_NAMES: the queries, then the keys, in two calls), and
+# `quant`, the problem's index_quant; its quantities are `stage.quantizer.<CODE_QUANTITIES>`,
+# judged bit for bit, without gradients.
 STAGE_MODE = "stage"
-STAGE_INPUTS = {"scores": ("q", "keys", "head_weights")}
+STAGE_INPUTS = {"scores": ("q", "keys", "head_weights"), "quantizer": ("x", "quant")}
 # The forward intermediates, in data-flow order, that the first-diverging-stage diagnosis
 # compares (both built-in sides expose them: forward_stages).
 FORWARD_STAGES = ("pooled", "keys", "queries", "head_weights", "scores", "teacher", "student")
 
 
 def stage_quantities(stage: str) -> tuple[str, ...]:
+    if stage == "quantizer":
+        return tuple(f"stage.quantizer.{q}" for q in CODE_QUANTITIES)
     return (f"stage.{stage}", *(f"stage_grad.{stage}.{n}" for n in STAGE_INPUTS[stage]))
+
+
+def stage_of(quantity: str) -> str:
+    """The stage of a stage quantity: "stage.scores", "stage_grad.scores.q" -> "scores";
+    "stage.quantizer.query_codes" -> "quantizer"."""
+    return quantity.split(".")[1]
 
 # The kind of a quantity: which rule and which tolerance row judge it (harness.tolerance
 # keys its tables by the numeric kinds forward / loss / grad). Also the pytest marker.
-KINDS = ("forward", "topk", "loss", "grad", "isolation")
+KINDS = ("forward", "topk", "loss", "grad", "isolation", "codes")
+
+
+def forward_quantities(config) -> tuple[str, ...]:
+    """The forward quantities of a problem: with `index_quant`, the quantizer's outputs too."""
+    return FORWARD_QUANTITIES + (CODE_QUANTITIES if config.get("index_quant") is not None else ())
 
 
 def kind_of(quantity: str) -> str:
-    """forward | topk | loss | grad | isolation, for a matrix quantity or a canonical name."""
+    """forward | topk | loss | grad | isolation | codes, for a matrix quantity or a canonical name."""
     if quantity == "topk_indices":
         return "topk"
+    if quantity in CODE_QUANTITIES or quantity.startswith("stage.quantizer."):
+        return "codes"
     if quantity in ("compressed_keys", "index_scores") or quantity.startswith("stage."):
         return "forward"
     if quantity == "input_grads" or quantity.startswith("input_grad."):
@@ -185,3 +217,11 @@ class References:
     # (harness.tolerance.reduction_length; None: no such floor).
     order_errors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     dims: Mapping[str, int] | None = None
+    # Where the problem quantizes: the reference recomputed on the candidate's own codes, in
+    # float64 and at the entry's dtype (`oracle`, `at_dtype`: the candidate's `own.` outputs
+    # are judged against them), or the reason that check cannot run (`own_missing`: the
+    # goldens hold no such run).
+    own: "References | None" = None
+    own_missing: str = ""
+    # The problem's `index_quant` (format, block, hadamard), or None: what the codes rule reads.
+    quant: Mapping | None = None

@@ -33,7 +33,7 @@ import sys
 from collections import Counter
 
 BACKENDS = ("cpu", "gpu", "tpu")
-KINDS = ("forward", "topk", "loss", "grad", "isolation")  # harness.matrix.Entry.kind
+KINDS = ("forward", "topk", "loss", "grad", "isolation", "codes")  # harness.matrix.Entry.kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ def float32_operand_bits(backend: str, precision: str) -> int:
 
 def not_applicable(dtype: str, kind: str, backend: str) -> str | None:
     """None when `backend` can compute a matrix entry of `dtype` and kind `kind` (forward,
-    topk, loss, grad, isolation: harness.matrix.Entry.kind), else the reason. Today only the
+    topk, loss, grad, isolation, codes: harness.matrix.Entry.kind), else the reason. Today only the
     dtype decides (every kind of a float64 point needs float64 arithmetic); the kind is part
     of the question so a backend row can exclude one kind without changing any caller.
     Pure: the same answer for the same arguments, whatever runs this process."""

@@ -33,7 +33,7 @@ from .fixtures import (FIXTURES_DIR, GOLDEN_DTYPES, LOW_DTYPES, MANIFEST_NAME, O
                        write_manifest, write_safetensors)
 from .implementations import Problem, TorchReference
 from .matrix import Point
-from .outputs import PARAM_NAMES
+from .outputs import CODE_QUANTITIES, PARAM_NAMES
 from .tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL, ORDERR_CHECK_FACTOR
 from . import CPU_PINS, TORCH_CPU_CAPABILITY
 
@@ -79,11 +79,13 @@ def cpu_capability_note() -> str | None:
 
 def golden_tensors(problem: Problem, teachers=("joint",)) -> dict[str, np.ndarray]:
     """Every `golden.<dtype>.<name>` of a problem: the torch reference's outputs, the float64
-    oracle first (its top-k is the selection of the low dtypes' sparse_at_oracle variant); for
+    oracle first (its top-k is the selection of the low dtypes' sparse_at_oracle variant; its codes
+    and scales, where the problem quantizes, what every low dtype scores); for
     each teacher after the joint one, its loss and gradients as `golden.<dtype>.<teacher>.<name>`."""
     torch_ref = TorchReference()
     oracle = torch_ref.run(problem, Point(problem.name, "float64"))
-    problem = Problem(problem.name, problem.config, problem.inputs, problem.params, oracle["topk_indices"])
+    codes = ({q: oracle[q] for q in CODE_QUANTITIES} if problem.config.get("index_quant") is not None else None)
+    problem = Problem(problem.name, problem.config, problem.inputs, problem.params, oracle["topk_indices"], codes)
     tensors: dict[str, np.ndarray] = {}
     for teacher in teachers:
         prefix = teacher_prefix(teacher)
@@ -143,6 +145,8 @@ def order_errors(problem: Problem, goldens: Mapping[str, np.ndarray], teacher: s
     HI, DI, H = cfg["index_n_heads"], cfg["index_head_dim"], cfg["num_query_heads"]
     B = problem.inputs["hidden_states"].shape[0]
     oracle_topk = goldens["golden.float64.topk_indices"]
+    quantized = cfg.get("index_quant") is not None
+    oracle_codes = {q: goldens[f"golden.float64.{q}"] for q in CODE_QUANTITIES} if quantized else None
 
     prefix = teacher_prefix(teacher)
     names = [q for q in ORDERR_QUANTITIES if not (prefix and q in TEACHER_FREE)]
@@ -167,7 +171,10 @@ def order_errors(problem: Problem, goldens: Mapping[str, np.ndarray], teacher: s
         px = {n: np.ascontiguousarray(v[pb]) for n, v in problem.inputs.items() if n != "attention_sink"}
         px["teacher_query"] = np.ascontiguousarray(px["teacher_query"][:, :, pt])
         px["attention_sink"] = np.ascontiguousarray(problem.inputs["attention_sink"][pt])
-        permuted = Problem(problem.name, cfg, px, pp, oracle_topk[pb])
+        # The oracle's codes follow their rows and query heads (keys: their rows).
+        codes = None if oracle_codes is None else {
+            q: np.ascontiguousarray(v[pb][:, :, pi] if q.startswith("query") else v[pb]) for q, v in oracle_codes.items()}
+        permuted = Problem(problem.name, cfg, px, pp, oracle_topk[pb], codes)
         back_b = np.argsort(pb)  # output row b' of the permuted run is input row pb[b']
         for dt in LOW_DTYPES:
             out = reference.run(permuted, Point(problem.name, dt, teacher=teacher))

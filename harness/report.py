@@ -17,11 +17,15 @@ from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSE
 
 # parity.json's layout (docs/design.md lists every field; CHANGELOG.md says what each version
 # added). A reader that finds another version knows the fields may differ.
-JSON_SCHEMA_VERSION = 6
-COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "loss", "grad", "input_grads")
+JSON_SCHEMA_VERSION = 7
+COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "codes", "loss", "grad", "input_grads")
 
 
 def column_of(quantity: str) -> str:
+    """The table column of a quantity: the quantizer's codes and scales (and a quantizer stage's)
+    share `codes`, the parameter gradients `grad`."""
+    if kind_of(quantity) == "codes":
+        return "codes"
     return "grad" if quantity.startswith("grad.") else quantity
 
 
@@ -223,6 +227,10 @@ def summarise(records: list[dict]) -> dict:
         if _judged(rec):
             worst_by_dtype[rec["dtype"]] = max(worst_by_dtype.get(rec["dtype"], 0.0), _ratio(rec))
     topk = [r for r in records if r["check"] == "topk"]
+    code_ties: dict[str, int] = {}
+    for r in records:
+        if r["check"] == "oracle" and kind_of(r["quantity"]) == "codes":
+            code_ties[r["dtype"]] = code_ties.get(r["dtype"], 0) + r["excused_ties"]
     reasons: dict[str, dict[str, int]] = {NOT_APPLICABLE: {}, NOT_PROVIDED: {}}
     for r in records:
         if r["status"] in reasons:
@@ -246,8 +254,17 @@ def summarise(records: list[dict]) -> dict:
         "worst_ratio_by_dtype": {k: _finite_or_str(v) for k, v in worst_by_dtype.items()},
         "topk_excused_ties": sum(r["excused_ties"] for r in topk),
         "topk_unexcused": sum(r["mismatched"] for r in topk if _failed(r)),
-        "sparse_end_to_end_excused": sum(1 for r in records if r["check"] == "oracle" and r["status"] == EXCUSED),
+        "sparse_end_to_end_excused": sum(1 for r in records if r["mode"] == "sparse" and r["check"] == "oracle"
+                                         and r["status"] == EXCUSED),
+        # The quantizer's codes and scales that differ from the oracle's as boundary ties, per dtype
+        # (harness.codes): how often a dtype's rounding crosses a decision boundary.
+        "code_excused_ties": code_ties,
     }
+
+
+def code_ties_text(summary: dict) -> str:
+    """'bfloat16 1201, float16 308, float32 0, float64 0'."""
+    return ", ".join(f"{d} {n}" for d, n in summary["code_excused_ties"].items())
 
 
 def table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -409,6 +426,8 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         f"- top-k: {summary['topk_excused_ties']} set differences excused as boundary ties, "
         f"{summary['topk_unexcused']} unexcused; sparse end-to-end checks excused for tie flips: "
         f"{summary['sparse_end_to_end_excused']}",
+        *([f"- quantized codes and scales excused as boundary ties: {code_ties_text(summary)}"]
+          if summary["code_excused_ties"] else []),
         "- worst error/bound ratio per dtype: "
         + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items()),
         f"- not applicable on this backend: {summary['not_applicable']} checks (counted apart from "

@@ -577,7 +577,7 @@ CLI_FIXTURE_ERRORS = [
     (_missing, ["tiny.safetensors is missing: run `python scripts/regenerate_fixtures.py --case tiny"]),
     (_truncated, ["tiny.safetensors is truncated or corrupt (", "restore it with `git checkout --"]),
     (_not_safetensors, ["tiny.safetensors is truncated or corrupt (the header claims"]),
-    (_old_schema, ["tiny.safetensors has schema version '0', this harness reads schema version 3"]),
+    (_old_schema, ["tiny.safetensors has schema version '0', this harness reads schema version 4"]),
     (_missing_tensor, ["tiny.safetensors has no tensor 'golden.float64.loss.dense'"]),
     (_wrong_shape, ["tensor 'hidden_states' is [1, 16, 15] float32, but case 'tiny'",
                     "implies [B, S, emb_dim] = [1, 16, 16] float32"]),

@@ -205,7 +205,7 @@ def test_the_committed_cases_alone_leave_fields_at_one_value_class():
     single = {f for f in SPEC_FIELDS if f in config_fields() and len(seen_classes(f, committed_instances())) <= 1}
     # index_head_dim and head_dim take two classes here: yarn_tail has DI == DR, the joint
     # teacher's cases have D != DI.
-    assert single == {"emb_dim", "q_lora_rank", "rope_theta", "norm_eps", "loss_scale", "index_quant"}
+    assert single == {"emb_dim", "q_lora_rank", "rope_theta", "norm_eps", "loss_scale"}
     # The joint teacher's cases give every window class and both teachers and RoPEs.
     assert set(seen_classes("sliding_window", committed_instances())) == AUDIT["sliding_window"][0]
     assert set(seen_classes("teacher_normaliser", committed_instances())) == {"joint", "compressed"}

@@ -65,6 +65,7 @@ HOW = {
     "JAX_PLATFORMS=tpu csa-parity run --jobs 1 --precision default": LIST,
     "PYTHONPATH=tests csa-parity run --cases tiny --dtypes float32 --ichunks 0,2 --tchunks 0 --qchunks 0 "
     "--modes forward --impl plugins.wrong_at_one_point:make_impl": LIST,
+    "PYTHONPATH=tests csa-parity run --impl plugins.quantizer_stage --cases quant_planted,quant_v4": LIST,
     # placeholders
     "csa-parity run --impl mypkg.kernels:make_impl": HELP,
     "csa-parity run --impl package.module[:factory] [--cases ...]": HELP,

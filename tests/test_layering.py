@@ -112,6 +112,8 @@ HARNESS_RULES = {
     "harness.fixtures": {"torch", "torch_ref", "jax", "jaxlib", "flax", "jax_impl", "harness.implementations",
                          "harness.regenerate", "harness.collect"},
 }
+# the codes' judge (boundary ties of quantized codes and scales) is the judge's layer: arrays only
+HARNESS_RULES["harness.codes"] = HARNESS_RULES["harness.judge"]
 
 
 def _top_level(tree: ast.Module):

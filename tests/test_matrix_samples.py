@@ -97,16 +97,18 @@ def test_ci_is_about_a_third_of_the_default_in_compiled_programs():
     """The point of the sample: .ci/run under 25 minutes. The joint teacher: ci 17 cases x 2
     native dtypes + 2 more on each of the 2 sweep cases + the combined point on the 11 cases
     beyond the 6 joint-teacher ones (2 dtypes on the sweep cases) + 6 knob classes on each sweep
-    case = 34 + 4 + 13 + 12 = 63; default 201 (137 on the first 9 cases, + 8 x 4 x 2 on the joint
-    teacher's 7 and packed_edges). The compressed teacher on all 17 cases: ci native in one
-    dtype each + the combined point on small and teacher_gap = 19; default native in 4 + combined
-    in 3 = 7 per case, 119. Entries: 19 per joint point without teacher chunk (3 forward + 2
-    modes x 8), 16 with one or with the compressed teacher."""
+    case = 34 + 4 + 13 + 12 = 63, and the 4 quantized cases natively in 4, 2, 4 and 2 dtypes with
+    one combined point each, 16: 79; default 233 (137 on the first 9 cases, + 8 x 4 x 2 on the
+    joint teacher's 7 and packed_edges, + 4 x 4 x 2 on the quantized cases). The compressed teacher
+    on all 21 cases: ci native in one dtype each + the combined point on small and teacher_gap =
+    23; default native in 4 + combined in 3 = 7 per case, 147. Entries: 19 per joint point
+    without teacher chunk (3 forward + 2 modes x 8; a quantized case's forward adds its 4 codes
+    and scales), 16 with one or with the compressed teacher."""
     ci, default = _points("ci"), _points("default")
-    assert len(ci) == 82 and len(default) == 320
-    assert Counter(p.teacher for p in ci) == {"joint": 63, "compressed": 19}
-    assert Counter(p.teacher for p in default) == {"joint": 201, "compressed": 119}
-    assert len(build_matrix(sample="ci", backends=["xla"])) == 1450 and len(build_matrix(backends=["xla"])) == 5471
+    assert len(ci) == 102 and len(default) == 380
+    assert Counter(p.teacher for p in ci) == {"joint": 79, "compressed": 23}
+    assert Counter(p.teacher for p in default) == {"joint": 233, "compressed": 147}
+    assert len(build_matrix(sample="ci", backends=["xla"])) == 1854 and len(build_matrix(backends=["xla"])) == 6543
     assert len(ci) / len(default) < 0.35
 
 
@@ -160,13 +162,13 @@ def test_points_name_their_teacher_and_parse_back():
 
 
 def test_the_pallas_backend_runs_its_own_small_sample():
-    """harness.matrix.BACKENDS: ci 1 point (tiny float64 natively), default 28 (every case natively in one dtype, the sweep cases in every dtype
+    """harness.matrix.BACKENDS: ci 1 point (tiny float64 natively), default 32 (every case natively in one dtype, the sweep cases in every dtype
     and at the combined point in float32 and bfloat16, and ci's); joint teacher only; each
     point's native run is the XLA path at the same knobs."""
     pallas = {s: {e.point for e in build_matrix(sample=s, backends=["pallas"])} for s in SAMPLES}
     assert pallas["ci"] < pallas["default"] < pallas["full"]
     assert {p.spec() for p in pallas["ci"]} == {"tiny:float64:0:0:0:joint:pallas"}
-    assert len(pallas["default"]) == 28 and {p.case for p in pallas["default"] if not p.chunked} == set(CASES)
+    assert len(pallas["default"]) == 32 and {p.case for p in pallas["default"] if not p.chunked} == set(CASES)
     assert all(p.teacher == "joint" and p.native == dataclasses.replace(p, backend="xla") for p in pallas["full"])
     assert all(Point.parse(p.spec()) == p and "backend=pallas" in p.label for p in pallas["default"])
     assert {e.point.backend for e in build_matrix(sample="ci")} == {"xla"}  # the default

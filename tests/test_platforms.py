@@ -93,7 +93,7 @@ def test_reports_count_and_list_not_applicable_apart_from_passed_and_failed(tmp_
     assert summary["headroom"]["above_half"] == 2
     assert summary["headroom"]["worst_ratio"] == {"loss": {"float32": 0.6}, "grad": {"float32": 0.6}}
     header, rows = report.table(records)
-    assert ["tiny", "float64", "-", "-", "-", "n/a", "n/a", "-"] in rows
+    assert ["tiny", "float64", "-", "-", "-", "-", "n/a", "n/a", "-"] in rows
     paths = report.write_reports(records, {"impl": "jax", "platform": {"backend": "tpu"}}, str(tmp_path))
     md = Path(paths["md"]).read_text()
     assert "2 checks not applicable on tpu: no float64" in md and "## Headroom" in md

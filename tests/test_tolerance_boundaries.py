@@ -676,8 +676,10 @@ def judge_checks() -> set[tuple[str, str]]:
                 values.update({n: np.zeros((1, 4, 3)) for n in input_grad_names(variant)})
             else:
                 values[output_name(q, variant)] = value
-    for stage in STAGE_INPUTS:
-        values.update({q: rng.standard_normal((1, 4, 6)) for q in stage_quantities(stage)})
+    # The quantizer stage's codes and scales are judged bit for bit (no number bounds them), as the
+    # pipeline's CODE_QUANTITIES, which FORWARD_QUANTITIES leaves out.
+    stage_names = [q for s in STAGE_INPUTS for q in stage_quantities(s) if kind_of(q) != "codes"]
+    values.update({q: rng.standard_normal((1, 4, 6)) for q in stage_names})
     same = Outputs("same", values)
     found = set()
     for dtype in DTYPES:
@@ -686,7 +688,7 @@ def judge_checks() -> set[tuple[str, str]]:
             refs = References(same, same, native=same if point.native else None)
             entries = [Entry(point, mode, q) for mode in MODES
                        for q in (FORWARD_QUANTITIES if mode == "forward" else LOSS_QUANTITIES)]
-            entries += [Entry(point, STAGE_MODE, q, "plugin") for s in STAGE_INPUTS for q in stage_quantities(s)]
+            entries += [Entry(point, STAGE_MODE, q, "plugin") for q in stage_names]
             for entry in entries:
                 found |= {(r.check, kind_of(r.quantity)) for r in judge(entry, same, refs) if r.status == PASSED}
         stages = {s: rng.standard_normal((2, 6, 4)) for s in FORWARD_STAGES}

@@ -255,6 +255,8 @@ def _as_tensor(v: Any) -> torch.Tensor:
     a = np.asarray(v)
     if a.dtype.name == "bfloat16":  # an ml_dtypes array: torch cannot read it directly
         a = a.astype(np.float32)
+    if not a.flags.writeable:  # e.g. another run's outputs, held read-only: torch wants to own writable memory
+        a = a.copy()
     return torch.as_tensor(a)
 
 
