@@ -237,6 +237,11 @@ class ProtocolImplementation:
         why = seq_split_reason(point.case, seq)
         if why:
             return Outputs(self.name, not_applicable=why)
+        quantized = getattr(problem, "oracle_codes", None) is not None
+        if quantized and point.dtype != "float64":
+            return Outputs(self.name, not_applicable=(
+                "not applicable: the sharded entry points take no codes=, so a quantized problem runs "
+                "sharded in float64 only, where its own codes must be the oracle's"))
         if jax.device_count() < n:
             return Outputs(self.name, not_applicable=(
                 f"not applicable on {jax.default_backend()} with {jax.device_count()} device(s): mesh "
@@ -246,6 +251,8 @@ class ProtocolImplementation:
         with worker.stage(f"{self.name} sharded_parity_bundle", point.label):
             values = bundle_values(sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype,
                                                                  mesh, problem.oracle_selection))
+        if quantized:  # float64, on its own codes: the common-codes run and the own-codes run are one
+            values.update({OWN + k: v for k, v in values.items() if k not in CODE_QUANTITIES})
         return Outputs(f"{self.name} mesh {mesh_text(point.mesh)}", values, self.missing(point))
 
 
@@ -484,6 +491,19 @@ def _reference_stage_values_timed(name, dtype, directory) -> dict[str, np.ndarra
     return values
 
 
+def torch_rotated(problem, cfg, dtype: str) -> dict:
+    """torch_ref's rotated queries [B, S, HI, DI] and keys [B, W, DI] at `dtype` (SPEC section 7a
+    step 1: after RoPE, rotated in the wide dtype, rounded to `dtype`), as {"query", "key"} ->
+    tensor: what its quantizer sees. `cfg` a torch_ref.CSAConfig with index_quant."""
+    import torch
+    import torch_ref
+
+    stages = torch_ref.forward_stages(problem.params, problem.inputs, cfg, dtype)
+    wide = torch.float64 if dtype == "float64" else torch.float32
+    return {side: torch_ref.quant.rotate(stages[name], cfg.index_quant, stages[name].dtype, wide)
+            for side, name in (("query", "queries"), ("key", "keys"))}
+
+
 def reference_quantizer_values(problem, dtype: str) -> dict[str, np.ndarray]:
     """The live reference's quantizer at `dtype` (cached per problem and dtype), for a problem with
     `index_quant`: its inputs (`input.rotated_queries` [B, S, HI, DI], `input.rotated_keys`
@@ -502,13 +522,11 @@ def _reference_quantizer_values(name, dtype, directory) -> dict[str, np.ndarray]
         cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in problem.config.items() if k not in KNOBS})
         quant = dict(problem.config["index_quant"])
         with worker.stage("torch_ref quantizer stage", Point(name, dtype).label), deterministic_torch() as torch:
-            st = torch_ref.forward_stages(problem.params, problem.inputs, cfg, dtype)
-            wide = torch.float64 if dtype == "float64" else torch.float32
             values = {}
-            for side, rotated_name in ROTATED_NAMES.items():
-                x = st["queries" if side == "query" else "keys"]
-                rotated = torch_ref.quant.rotate(x, quant, x.dtype, wide).to(wide)
-                _, _, codes, scales = torch_ref.quant.quantize(rotated, quant, wide)
+            for side, rotated in torch_rotated(problem, cfg, dtype).items():
+                rotated_name = ROTATED_NAMES[side]
+                rotated = rotated.to(torch.float64 if dtype == "float64" else torch.float32)
+                _, _, codes, scales = torch_ref.quant.quantize(rotated, quant, rotated.dtype)
                 values[f"input.{rotated_name}"] = rotated.numpy().copy()
                 values[f"stage.quantizer.{side}_codes"] = codes.numpy().astype(np.uint8)
                 values[f"stage.quantizer.{side}_scales"] = scales.numpy().astype(np.float32)
@@ -633,11 +651,8 @@ class TorchReference:
                       "index_scores": np_of(fwd["index_scores"]),
                       "topk_indices": np_of(fwd["topk_indices"]).astype(np.int64)}
             if quantized:
-                stages = torch_ref.forward_stages(problem.params, problem.inputs, dense, dt)
-                wide = torch.float64 if dt == "float64" else torch.float32
-                for side, name in ROTATED_NAMES.items():
-                    x = stages["queries" if side == "query" else "keys"]
-                    values[name] = np_of(torch_ref.quant.rotate(x, dense.index_quant, x.dtype, wide))
+                for side, rotated in torch_rotated(problem, dense, dt).items():
+                    values[ROTATED_NAMES[side]] = np_of(rotated)
                 if not extra:
                     values.update({q: np_of(fwd[q]) for q in CODE_QUANTITIES})
             todo = [("dense", dense, None), ("sparse", sparse, None)]
