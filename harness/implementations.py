@@ -241,7 +241,7 @@ class ProtocolImplementation:
         if quantized and point.dtype != "float64":
             return Outputs(self.name, not_applicable=(
                 "not applicable: the sharded entry points take no codes=, so a quantized problem runs "
-                "sharded in float64 only, where its own codes must be the oracle's"))
+                "sharded in float64 only, on its own codes, which must be the oracle's there"))
         if jax.device_count() < n:
             return Outputs(self.name, not_applicable=(
                 f"not applicable on {jax.default_backend()} with {jax.device_count()} device(s): mesh "
@@ -251,9 +251,11 @@ class ProtocolImplementation:
         with worker.stage(f"{self.name} sharded_parity_bundle", point.label):
             values = bundle_values(sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype,
                                                                  mesh, problem.oracle_selection))
-        if quantized:  # float64, on its own codes: the common-codes run and the own-codes run are one
-            values.update({OWN + k: v for k, v in values.items() if k not in CODE_QUANTITIES})
-        return Outputs(f"{self.name} mesh {mesh_text(point.mesh)}", values, self.missing(point))
+        missing = self.missing(point)
+        if quantized:  # float64, on its own codes, which the sharded bundle does not return
+            missing.update({q: f"{self.name}'s sharded bundle returns no codes (one device's run judges them)"
+                            for q in CODE_QUANTITIES if q not in values})
+        return Outputs(f"{self.name} mesh {mesh_text(point.mesh)}", values, missing)
 
 
 def importable_from_cwd() -> str:

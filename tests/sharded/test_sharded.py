@@ -217,7 +217,9 @@ def test_sharded_entry(entry):
         assert results and all(r.status == "not_applicable" and why in r.message for r in results), \
             [r.message for r in results]
         return
-    assert results and not any(r.status == "not_applicable" for r in results), [r.message for r in results]
+    # (The `@own` checks of a quantized case are not applicable with the goldens, saying so.)
+    assert results and not any(r.status == "not_applicable" and not r.check.endswith("@own") for r in results), \
+        [r.message for r in results]
     assert not any(r.failed for r in results), failure_text(entry, results, "goldens")
     _record_worst(entry, results)
 
