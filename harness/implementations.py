@@ -746,6 +746,8 @@ def _outputs_timed(spec: str, case: str, point: Point, directory: str | None) ->
         try:
             if spec == "torch_ref" and reference_cache.enabled():
                 return _cached_reference(case, point, directory)
+            if spec == "jax" and reference_cache.enabled():
+                return _cached_jax(case, point, directory)
             return implementation(spec).run(_fixture(case, directory), point)
         except WorkerCrash as exc:  # a call of it killed or hung a worker (harness.worker)
             return Outputs(spec, error=str(exc))
@@ -798,12 +800,47 @@ def _reference_at_codes(case, dtype, teacher, digest, directory, codes) -> Outpu
     key = (case, dtype, teacher, digest, directory)
     if key not in _AT_CODES:
         with timing.section("reference"):
-            try:
-                _AT_CODES[key] = TorchReference(variants=("dense",)).run(
-                    _fixture(case, directory), Point(case, dtype, teacher=teacher), codes=dict(codes))
-            except WorkerCrash as exc:
-                _AT_CODES[key] = Outputs("torch_ref", error=str(exc))
+            _AT_CODES[key] = _reference_at_codes_stored(case, dtype, teacher, digest, directory, codes)
     return _AT_CODES[key]
+
+
+def _reference_at_codes_stored(case, dtype, teacher, digest, directory, codes) -> Outputs:
+    """The reference on `codes`, from the reference cache where it is on (keyed as the reference's
+    own outputs, and by the codes), else computed (and stored there)."""
+    ref, problem = TorchReference(variants=("dense",)), _fixture(case, directory)
+    key = None
+    if reference_cache.enabled():
+        parts = reference_cache.key_parts(problem.path, dtype, teacher, ref.variants)
+        key = reference_cache.key({**parts, "codes_sha256": digest})
+        stored = reference_cache.load(key)
+        if isinstance(stored, dict):
+            timing.count("references_loaded")
+            return Outputs(stored["source"], stored["values"], stored["missing"])
+    try:
+        out = ref.run(problem, Point(case, dtype, teacher=teacher), codes=dict(codes))
+    except WorkerCrash as exc:
+        return Outputs("torch_ref", error=str(exc))
+    if key is not None:
+        timing.count("references_computed")
+        if not out.error and not out.errors:
+            reference_cache.store(key, {"source": out.source, "values": dict(out.values), "missing": dict(out.missing)})
+    return out
+
+
+def _cached_jax(case: str, point: Point, directory: str | None) -> Outputs:
+    """jax_impl's outputs at `point` read from the cache (harness.reference_cache.jax_key_parts:
+    keyed by the fixture's bytes, the point, jax_impl's source and everything its programs follow
+    from), or computed and stored there."""
+    problem = _fixture(case, directory)
+    key = reference_cache.key(reference_cache.jax_key_parts(problem.path, point.spec()))
+    stored = reference_cache.load(key)
+    if isinstance(stored, dict):
+        timing.count("outputs_loaded")
+        return Outputs(stored["source"], stored["values"], stored["missing"])
+    out = implementation("jax").run(problem, point)
+    if not out.error and not out.errors and not out.not_applicable:
+        reference_cache.store(key, {"source": out.source, "values": dict(out.values), "missing": dict(out.missing)})
+    return out
 
 
 def _outputs_here(spec: str, case: str, point: Point, directory: str | None) -> Outputs:

@@ -1,4 +1,4 @@
-"""The live reference's outputs kept on disk between `csa-parity run`s.
+"""The built-in sides' outputs kept on disk between `csa-parity run`s.
 
 torch_ref computes the same outputs for the same fixture whatever the implementation under test
 does, so a rerun reads them back instead of starting torch (its import and its deterministic
@@ -6,9 +6,18 @@ mode cost a worker seconds; a large case's float64 backward more). An entry is k
 everything its values follow from: the fixture file's bytes (sha256), the point's dtype and
 teacher, the loss variants, the source of torch_ref and of the harness modules that call it
 and name its outputs, the versions of torch, numpy, ml_dtypes and Python, the machine and
-torch's CPU kernel choice (ATEN_CPU_CAPABILITY). A change to any of them is another key, so a
-stale entry is never read: it is left to age out (least recently used first, above
-MAX_BYTES).
+torch's CPU kernel choice (ATEN_CPU_CAPABILITY).
+
+The built-in JAX implementation's outputs at a point are kept the same way, so that a rerun of
+an unchanged `jax_impl` neither traces, compiles nor runs a program: keyed by the fixture's
+bytes, the point (every knob), the source of jax_impl and of the harness modules that call it,
+the versions of jax, jaxlib, numpy, ml_dtypes and Python, the backend, its devices, the CPU's
+instruction set, the 64-bit and matmul-precision settings and every XLA_ / JAX_ / LIBTPU
+environment variable but the caches' own. A plug-in's outputs are never kept: its code is
+not known to the harness (its programs still come from JAX's compilation cache).
+
+A change to any part of a key is another key, so a stale entry is never read: it is left to
+age out (least recently used first, above MAX_BYTES).
 
 Off unless `use(root)` named a cache directory (the CLI's workers do; pytest does not).
 """
@@ -29,7 +38,9 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-MAX_BYTES = 256 << 20  # the whole matrix's references take about as much as its fixtures, ~20 MB
+# The default matrix's references take about as much as its fixtures (~20 MB), the JAX outputs of
+# its points about 10 times more (each point holds every loss variant's gradients).
+MAX_BYTES = 1 << 30
 _ROOT: Path | None = None
 _HARNESS = Path(__file__).resolve().parent
 # The code that decides a cached value: the reference package (wherever it is imported from) and
@@ -73,6 +84,46 @@ def sources_sha() -> str:
         name = f.relative_to(package) if root == "torch_ref" else f.name
         h.update(f"{root}/{name}".encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def jax_impl_sha() -> str:
+    """sha256 over the source files of the jax_impl package this process imports (its Pallas
+    kernels included) and of HARNESS_SOURCES."""
+    spec = importlib.util.find_spec("jax_impl")
+    package = Path(list(spec.submodule_search_locations)[0])
+    h = hashlib.sha256()
+    for f in sorted(package.rglob("*.py")):
+        h.update(f"jax_impl/{f.relative_to(package)}".encode() + b"\0" + f.read_bytes() + b"\0")
+    for name in HARNESS_SOURCES:
+        h.update(f"harness/{name}".encode() + b"\0" + (_HARNESS / name).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_features() -> str:
+    """The CPU's model and instruction-set flags (XLA:CPU generates code for them), or "" where
+    the system does not say."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return hashlib.sha256("\n".join(sorted(set(keep))).encode()).hexdigest()
+
+
+def jax_key_parts(fixture_path: Path, point_spec: str) -> dict:
+    """Everything the JAX implementation's outputs at a point follow from (their key is the sha256)."""
+    import jax
+
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("XLA_", "JAX_", "LIBTPU")) and "CACHE" not in k}
+    return {"outputs_of": "jax_impl", "fixture_sha256": file_sha(fixture_path), "point": point_spec,
+            "sources_sha256": jax_impl_sha(), "jax": _version("jax"), "jaxlib": _version("jaxlib"),
+            "numpy": _version("numpy"), "ml_dtypes": _version("ml_dtypes"), "python": sys.version,
+            "machine": platform.machine(), "cpu": cpu_features(), "backend": jax.default_backend(),
+            "devices": [d.device_kind for d in jax.devices()], "x64": bool(jax.config.jax_enable_x64),
+            "matmul_precision": str(jax.config.jax_default_matmul_precision), "env": env}
 
 
 def _version(name: str) -> str:

@@ -324,6 +324,8 @@ def cache_line(meta: dict) -> str:
     where = f"cache: {cache['dir']}" if cache.get("dir") else "--no-cache: no persistent cache"
     text = (f"programs: {cache.get('programs_loaded', 0)} loaded from the compilation cache, "
             f"{cache.get('programs_compiled', 0)} compiled")
+    if cache.get("outputs_loaded"):
+        text += f"; jax_impl outputs of {cache['outputs_loaded']} points loaded (unchanged since they were computed)"
     if meta.get("reference") == "live":
         text += (f"; live references: {cache.get('references_loaded', 0)} loaded, "
                  f"{cache.get('references_computed', 0)} computed")

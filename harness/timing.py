@@ -17,7 +17,8 @@ compiled. The figures are differences of per-process counters (`snapshot`) taken
 point, so what a worker caches in memory from one point to the next shows as the time it saves.
 
 The caches live under one directory (`cache_root`): `xla/`, JAX's persistent compilation cache,
-and `reference/`, the live reference's outputs (harness.reference_cache). JAX keys each program
+and `reference/`, the live reference's and the built-in JAX implementation's outputs
+(harness.reference_cache: a rerun of an unchanged jax_impl reads a point's outputs back). JAX keys each program
 by the program itself (its StableHLO, the compile options, the jax and jaxlib versions, the
 backend and the flags that change code generation), so an edited `jax_impl` that compiles to
 another program misses and is compiled, and an entry can never be served to a program it was
@@ -31,7 +32,7 @@ import os
 import time
 
 SHARES = ("startup", "trace", "lower", "compile", "run", "reference", "judge")
-COUNTS = ("programs_loaded", "programs_compiled", "references_loaded", "references_computed")
+COUNTS = ("programs_loaded", "programs_compiled", "references_loaded", "references_computed", "outputs_loaded")
 # The compilation cache's size bound: JAX evicts the least recently used programs above it.
 # Measured on CPU: 78 programs (the ci sample's small and flash_dims points) take 5.6 MB.
 XLA_CACHE_MAX_BYTES = 1 << 30
@@ -42,7 +43,8 @@ _COMPILE = "/jax/core/compile/backend_compile_duration"  # a compilation or a ca
 _HIT = "/jax/compilation_cache/cache_hits"
 
 _SECONDS: dict[str, float] = {"trace": 0.0, "lower": 0.0, "compile": 0.0, "implementation": 0.0, "reference": 0.0}
-_EVENTS: dict[str, int] = {"programs": 0, "programs_loaded": 0, "references_loaded": 0, "references_computed": 0}
+_EVENTS: dict[str, int] = {"programs": 0, "programs_loaded": 0, "references_loaded": 0, "references_computed": 0,
+                           "outputs_loaded": 0}
 _STACK: list[list[float]] = []  # [start, time spent in inner sections] of each open section
 _LISTENING = False
 
@@ -111,7 +113,7 @@ def listen() -> None:
 
 
 def count(event: str) -> None:
-    """One more `event` in this process (`references_loaded`, `references_computed`)."""
+    """One more `event` in this process (`references_loaded`, `references_computed`, `outputs_loaded`)."""
     _EVENTS[event] += 1
 
 
@@ -148,4 +150,5 @@ def split(before: dict[str, float], after: dict[str, float], startup: float = 0.
     out["programs_compiled"] = int(d["programs"] - d["programs_loaded"])
     out["references_loaded"] = int(d["references_loaded"])
     out["references_computed"] = int(d["references_computed"])
+    out["outputs_loaded"] = int(d["outputs_loaded"])
     return out

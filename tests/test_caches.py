@@ -72,6 +72,50 @@ def test_a_rerun_loads_every_program_and_a_changed_jax_impl_compiles_again(tmp_p
     assert third["report"]["results"] == first["report"]["results"]
 
 
+def test_a_rerun_of_an_unchanged_jax_impl_loads_its_outputs_and_a_changed_key_computes_them(tmp_path, monkeypatch):
+    """The built-in `jax`: the second run of a point reads its outputs back (no program traced,
+    compiled or run) and judges identically; in-process, the same outputs are served bit for bit,
+    and a changed source, point or XLA flag is another key, computed again."""
+    cache = tmp_path / "cache"
+
+    def run(name):
+        return _run([*ONE_POINT, "--impl", "jax", "--cache-dir", str(cache), "--out", str(tmp_path / name)],
+                    tmp_path, REPO)
+
+    first, second = run("first"), run("second")
+    assert first["report"]["cache"]["outputs_loaded"] == 0 and first["report"]["cache"]["programs_compiled"] > 0
+    assert second["report"]["cache"]["outputs_loaded"] == 1
+    assert second["report"]["cache"]["programs_compiled"] == second["report"]["cache"]["programs_loaded"] == 0
+    assert "jax_impl outputs of 1 points loaded" in second["stdout"]
+    assert second["report"]["results"] == first["report"]["results"]
+
+    implementations.clear_caches()
+    reference_cache.use(str(tmp_path / "inproc"))
+    try:
+        point = Point("tiny", "float32")
+        fresh = implementations._cached_jax("tiny", point, None)
+        before = timing.snapshot()
+        served = implementations._cached_jax("tiny", point, None)
+        assert timing.split(before, timing.snapshot())["outputs_loaded"] == 1
+        assert served.values.keys() == fresh.values.keys() and len(fresh.values) > 10
+        for name, value in fresh.values.items():
+            assert served.values[name].dtype == value.dtype and np.array_equal(served.values[name], value), name
+        path = implementations.fixture("tiny").path
+        base = reference_cache.jax_key_parts(path, point.spec())
+        assert base["sources_sha256"] == reference_cache.jax_impl_sha() and base["point"] == "tiny:float32:0:0"
+        assert reference_cache.jax_key_parts(path, Point("tiny", "float32", ichunk=1).spec()) != base
+        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+        assert reference_cache.jax_key_parts(path, point.spec())["env"] != base["env"]
+        monkeypatch.delenv("XLA_FLAGS")
+        monkeypatch.setattr(reference_cache, "jax_impl_sha", lambda: "jax_impl edited")
+        before = timing.snapshot()
+        implementations._cached_jax("tiny", point, None)
+        assert timing.split(before, timing.snapshot())["outputs_loaded"] == 0
+    finally:
+        reference_cache.use(None)
+        implementations.clear_caches()
+
+
 @pytest.mark.torch  # the live reference
 def test_the_reference_cache_serves_identical_outputs_and_misses_when_a_source_changes(tmp_path, monkeypatch):
     """torch_ref's outputs for tiny in float32, stored on the first call and served on the
