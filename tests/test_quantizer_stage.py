@@ -7,14 +7,11 @@ the plug-in; a case that does not quantize is not applicable."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_run import run_cli
 from harness.collect import evaluate
 from harness.matrix import DTYPES, Entry, Point
 from harness.outputs import STAGE_MODE, stage_quantities
@@ -24,15 +21,6 @@ pytestmark = pytest.mark.torch
 
 GOOD, HALF_AWAY = "plugins.quantizer_stage", "plugins.quantizer_half_away"
 QUANTITIES = stage_quantities("quantizer")
-
-
-def _cli(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    out = tmp_path / "rep"
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--out", str(out), "--no-progress",
-                           "--jobs", "1", *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    report = json.loads((out / "parity.json").read_text()) if (out / "parity.json").exists() else None
-    return proc, report
 
 
 def _results(impl: str, case: str, dtype: str) -> dict:
@@ -86,7 +74,7 @@ def test_a_quantizer_without_arrays_gets_jax_arrays():
 
 
 def test_the_quantizer_runs_green_through_the_cli_on_the_quantized_cases(tmp_path):
-    proc, report = _cli(tmp_path, "--impl", GOOD, "--cases", "tiny,quant_planted", "--dtypes", "float32",
+    proc, report = run_cli(tmp_path, "--impl", GOOD, "--cases", "tiny,quant_planted", "--dtypes", "float32",
                         "--ichunks", "0", "--tchunks", "0", "--qchunks", "0", "--teachers", "joint")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     st = report["summary"]["statuses"]
@@ -96,7 +84,7 @@ def test_the_quantizer_runs_green_through_the_cli_on_the_quantized_cases(tmp_pat
 
 
 def test_a_quantizer_on_cases_that_do_not_quantize_is_one_line(tmp_path):
-    proc, _ = _cli(tmp_path, "--impl", GOOD, "--cases", "tiny", "--list")
+    proc, _ = run_cli(tmp_path, "--impl", GOOD, "--cases", "tiny", "--list")
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(f"csa-parity: error: {GOOD} is a quantizer stage: the selection holds "
                                           "no case that quantizes (index_quant); choose among quant_v4"), proc.stderr

@@ -3,15 +3,12 @@ stage of planted mistakes in a copy of jax_impl."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_run import run_cli
 from harness.collect import evaluate
 from harness.matrix import Entry, Point
 
@@ -19,17 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.torch
 
 
-def _cli(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    out = tmp_path / "rep"
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--out", str(out), "--no-progress",
-                           "--jobs", "1", *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    report = json.loads((out / "parity.json").read_text()) if (out / "parity.json").exists() else None
-    return proc, report
-
-
 def test_the_example_scoring_kernel_runs_green_through_the_cli(tmp_path):
-    proc, report = _cli(tmp_path, "--impl", "examples.scores_kernel", "--cases", "tiny", "--dtypes", "float32,bfloat16")
+    proc, report = run_cli(tmp_path, "--impl", "examples.scores_kernel", "--cases", "tiny", "--dtypes", "float32,bfloat16")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     st = report["summary"]["statuses"]
     # 2 dtypes x 4 stage quantities judged; every pipeline entry of the 2 native points not provided
@@ -38,7 +26,7 @@ def test_the_example_scoring_kernel_runs_green_through_the_cli(tmp_path):
 
 
 def test_a_forward_only_plugin_runs_green_with_the_losses_not_provided(tmp_path):
-    proc, report = _cli(tmp_path, "--impl", "plugins.stage_plugins:forward_only", "--cases", "tiny",
+    proc, report = run_cli(tmp_path, "--impl", "plugins.stage_plugins:forward_only", "--cases", "tiny",
                         "--dtypes", "float32", "--ichunks", "0", "--tchunks", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     st = report["summary"]["statuses"]
@@ -73,7 +61,7 @@ def test_a_numpy_kernel_says_so_and_gets_numpy_arrays():
 
 
 def test_an_unknown_array_kind_is_one_line(tmp_path):
-    proc, _ = _cli(tmp_path, "--impl", "plugins.stage_plugins:bad_arrays", "--cases", "tiny", "--list")
+    proc, _ = run_cli(tmp_path, "--impl", "plugins.stage_plugins:bad_arrays", "--cases", "tiny", "--list")
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("csa-parity: error: implementation 'plugins.stage_plugins:bad_arrays': "
                                    "ARRAYS='torch' is not an array kind the harness hands a stage (valid: jax, "
@@ -81,7 +69,7 @@ def test_an_unknown_array_kind_is_one_line(tmp_path):
 
 
 def test_a_plugin_that_raises_on_one_case_does_not_stop_the_run(tmp_path):
-    proc, report = _cli(tmp_path, "--impl", "plugins.stage_plugins:raising", "--cases", "tiny,small",
+    proc, report = run_cli(tmp_path, "--impl", "plugins.stage_plugins:raising", "--cases", "tiny,small",
                         "--dtypes", "float32", "--modes", "forward", "--ichunks", "0", "--tchunks", "0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
