@@ -261,9 +261,10 @@ def _chunk_label(point) -> str:
 
 def selection_lines(entries, sample: str) -> list[str]:
     """What a run of `entries` holds, without running it: cases, dtypes, the chunk points of each
-    case x dtype x teacher, the entries per mode, and the compiled programs (one per point, plus
-    the native points that chunked points are compared with and the selection leaves out)."""
-    from .matrix import DTYPES
+    case x dtype x teacher, the entries per mode, and the compiled programs (harness.matrix.programs_at
+    per point, and the native points that chunked points are compared with and the selection
+    leaves out)."""
+    from .matrix import DTYPES, programs_at
 
     points = sorted({e.point for e in entries})
     cases = list(dict.fromkeys(e.point.case for e in entries))  # catalogue order
@@ -287,7 +288,11 @@ def selection_lines(entries, sample: str) -> list[str]:
                     tag = "" if teacher == "joint" else " (compressed teacher)"
                     lines.append(f"  {case:<{width}}  {dtype:<8}  {' '.join(labels)}{tag}")
     lines.append("entries: " + ", ".join(f"{n} {mode}" for mode, n in modes.items()) + f" ({len(entries)} in all)")
-    lines.append(f"compiled programs: {len(points) + len(extra_native)} ({len(points)} points, one program each"
+    programs = sum(programs_at(p) for p in points) + sum(programs_at(p) for p in extra_native)
+    quantized = sum(programs_at(p) == 2 for p in points)
+    lines.append(f"compiled programs: {programs} ({len(points)} points, one program each"
+                 + (f", two on the {quantized} points of quantized cases (their own codes and the oracle's)"
+                    if quantized else "")
                  + (f", + {len(extra_native)} native points the chunk checks compare with" if extra_native else "")
                  + "); nothing was run")
     return lines

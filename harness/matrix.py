@@ -344,6 +344,13 @@ def pallas_points(case: str, dtype: str, sample: str = "default") -> list[tuple[
     return sorted(set(points))
 
 
+def programs_at(point: Point) -> int:
+    """The programs the built-in implementation compiles for a point: one (every mode and quantity
+    in one parity bundle), two where the problem quantizes on one device (on the oracle's codes
+    and on its own, harness.implementations)."""
+    return 2 if CASES[point.case].config.get("index_quant") is not None and point.mesh is None else 1
+
+
 def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
     """Every entry of one point (forward quantities only at teacher chunk 0 and with the joint
     teacher: they do not depend on the teacher; where the problem quantizes, its codes and

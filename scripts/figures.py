@@ -50,7 +50,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def matrix_section() -> list[str]:
     from harness.cases import CASES
-    from harness.matrix import SAMPLES, build_matrix
+    from harness.matrix import SAMPLES, build_matrix, programs_at
     from harness.platforms import selection
 
     rows = []
@@ -60,12 +60,14 @@ def matrix_section() -> list[str]:
         teachers = Counter(p.teacher for p in points)
         modes = Counter(e.mode for e in entries)
         on_tpu = sum(len(v) for v in selection(entries, "tpu").values())
-        rows.append([f"`{sample}`", len(points), teachers["joint"], teachers["compressed"], len(entries),
+        rows.append([f"`{sample}`", f"{len(points)} ({sum(programs_at(p) for p in points)})", teachers["joint"],
+                     teachers["compressed"], len(entries),
                      ", ".join(f"{modes[m]} {m}" for m in ("forward", "dense", "sparse")), on_tpu])
     return ["## The matrix", "",
             f"`python -c 'from harness.matrix import build_matrix; ...'` or, per selection, "
             f"`csa-parity run --list [--sample ci|default|full]`. {len(CASES)} cases, 4 dtypes. A compiled "
-            "program per point; entries are what the judge checks (one or more checks each).", "",
+            "program per point, two per point of a quantized case (on the oracle's codes and on its own); "
+            "entries are what the judge checks (one or more checks each).", "",
             *_table(["sample", "points (compiled programs)", "joint teacher", "compressed teacher", "entries",
                      "entries by mode", "not applicable on a TPU (float64)"], rows), ""]
 

@@ -160,6 +160,14 @@ def test_list_counts_the_native_points_chunk_checks_need():
                         "compare with); nothing was run"
 
 
+def test_list_counts_two_programs_at_a_point_of_a_quantized_case():
+    """One on the float64 oracle's codes, one on the implementation's own (harness.matrix.programs_at)."""
+    entries = build_matrix(["quant_planted"], ["float32"], ichunks=[0], tchunks=[0], qchunks=[0], teachers=["joint"])
+    assert selection_lines(entries, "default")[-1] == (
+        "compiled programs: 2 (1 points, one program each, two on the 1 points of quantized cases (their own codes "
+        "and the oracle's)); nothing was run")
+
+
 def test_the_list_example_in_the_docs_is_what_list_prints():
     """docs/running.md shows `--list` for one selection; it must be the current output."""
     import re
