@@ -157,6 +157,18 @@ def _evaluate_point(entries, reference: str, profile: str) -> list[dict]:
                                        "(traceback on stderr)")
 
 
+def _release_programs() -> None:
+    """Drop the compiled programs JAX keeps in memory once a point is judged. A point's programs
+    serve that point alone (its native run's outputs are kept as arrays), and each holds its
+    machine code in memory mappings for as long as JAX caches it: a worker of the default sample
+    (about 220 programs) ran out of mappings (vm.max_map_count, 65530 here; XLA: "LLVM
+    compilation error: Cannot allocate memory"). A program needed again comes from the persistent
+    compilation cache."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+
+
 def _picklable(exc: BaseException) -> BaseException:
     try:
         pickle.loads(pickle.dumps(exc))
@@ -184,6 +196,7 @@ def _main(conn, init: dict) -> None:
             _, entries, reference, profile, _ = msg
             before, start = timing.snapshot(), time.perf_counter()
             records = _evaluate_point(entries, reference, profile)
+            _release_programs()
             conn.send(("done", records, time.perf_counter() - start, _RETIRE, timing.split(before, timing.snapshot())))
         elif msg[0] == "call":
             _, target, args, path, _ = msg
