@@ -55,7 +55,7 @@ parity: $(STAMP)
 # under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in each file; run
 # alone, both pass); then the sharded slice (8 simulated devices, set before JAX starts), all
 # on the same sample as the main process. The main process ends with the two-process slice
-# (the sequence-sharded points across two processes of 4 devices each, harness.multihost).
+# (the sequence-sharded points across two processes of 4 devices each, harness.run.multihost).
 # The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
 # one's time). The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
@@ -135,7 +135,7 @@ bench-cp: $(STAMP)
 
 # docs/FIGURES.md, the one page of figures that go stale (matrix sizes, line counts, benchmark
 # results, the last parity report's headroom and times), and docs/judging.md's table of
-# guarantees (every number of harness/tolerance.py, its boundary test, its mutant), from cheap
+# guarantees (every number of harness/judging/tolerance.py, its boundary test, its mutant), from cheap
 # sources: a few seconds.
 .PHONY: figures
 figures: $(STAMP)

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harness.memory_bounds import grows_no_worse_than_linearly
-from harness.tolerance import MEMORY_FLOOR_FACTOR
+from harness.judging.memory_bounds import grows_no_worse_than_linearly
+from harness.judging.tolerance import MEMORY_FLOOR_FACTOR
 from jax_impl import CSAConfig, indexer_loss, resolve_dtype
 from jax_impl.validate import FLOAT_INPUTS, INT_INPUTS, input_shapes, param_shapes
 
@@ -69,7 +69,7 @@ ANCHOR_GIB = {0: 16.3, 1: 1.47, 8: 2.69}
 # The small compile-only shape of tests/test_memory.py and of the mutation worker's memory
 # check: HI*DI / W = 2 (the benchmark's shapes: 4), so an all-heads q [B, S, HI, DI] is two
 # [B, S, W] arrays, large enough to see. FLOOR_FACTOR: the bound, chunk 1 holds at
-# most twice its analytic floor (the number lives in harness/tolerance.py).
+# most twice its analytic floor (the number lives in harness/judging/tolerance.py).
 TEST_SHAPE = dict(
     emb_dim=64, q_lora_rank=64, index_n_heads=16, index_head_dim=64, rope_head_dim=32,
     compress_ratio=4, index_topk=16, num_query_heads=16, head_dim=64,

@@ -10,7 +10,7 @@ interpreter's own start and whatever bytecode the venv holds are part of it, as 
 * imports: `import jax`, `import torch`, torch with deterministic algorithms switched on (what
   the live reference does before it computes), and the harness modules the report-writing
   process and the judge import (which must bring in neither framework);
-* a worker's start-up: the first call into a `harness.worker` worker process (spawned,
+* a worker's start-up: the first call into a `harness.sides.worker` worker process (spawned,
   imports done, one trivial call answered), timed from the parent;
 * the venv's bytecode: the share of jax's and torch's modules with a `.pyc` for this
   interpreter. Without it (an install with `pip --no-compile` where PYTHONDONTWRITEBYTECODE is
@@ -34,16 +34,16 @@ IMPORTS = {
     "import jax": "import jax",
     "import torch": "import torch",
     "import torch + use_deterministic_algorithms": "import torch; torch.use_deterministic_algorithms(True)",
-    "import harness.judge (no jax, no torch)": (
-        "import sys, harness.judge; assert not {'jax', 'torch'} & set(sys.modules), 'a framework was imported'"),
-    "import harness.report (no jax, no torch)": (
-        "import sys, harness.report; assert not {'jax', 'torch'} & set(sys.modules), 'a framework was imported'"),
+    "import harness.judging.judge (no jax, no torch)": (
+        "import sys, harness.judging.judge; assert not {'jax', 'torch'} & set(sys.modules), 'a framework was imported'"),
+    "import harness.run.report (no jax, no torch)": (
+        "import sys, harness.run.report; assert not {'jax', 'torch'} & set(sys.modules), 'a framework was imported'"),
 }
 
 WORKER = """
 import time, sys
 t = time.perf_counter()
-from harness import worker
+from harness.sides import worker
 worker.isolated("os:getpid", label="start-up")
 print(time.perf_counter() - t)
 """

@@ -13,7 +13,7 @@ import os
 # The committed fixtures are generated with AVX2 in both, which every x86-64 machine with
 # AVX512 also has, so every process that imports the harness computes with it unless the user
 # set a variable (`ATEN_CPU_CAPABILITY=avx512 scripts/regenerate_fixtures.py --check` lists what
-# AVX512 changes); harness.regenerate notes a process that does not.
+# AVX512 changes); harness.run.regenerate notes a process that does not.
 # MKL, the BLAS of the float32 and float64 matmuls, is left to its default: it picks its code
 # path per CPU model and vendor even when told AVX2 (files written on one machine regenerate with
 # last-bit differences on another either way), and told AVX2 on an Intel AVX512 machine it draws

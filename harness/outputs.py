@@ -60,7 +60,7 @@ STATUSES = (PASSED, FAILED, EXCUSED, NOT_PROVIDED, NOT_APPLICABLE, ERROR)
 # Stage plug-ins: the stages a plug-in may provide alone (`STAGE = "scores"` or "quantizer"),
 # the matrix mode of their entries and their quantities (stage name -> the function's arguments).
 # `stage.scores` is the scoring stage's output [B, S, W]; `stage_grad.scores.<input>` its
-# vector-Jacobian product with the harness's fixed cotangent (harness.implementations.stage_cotangent)
+# vector-Jacobian product with the harness's fixed cotangent (harness.sides.implementations.stage_cotangent)
 # with respect to q, keys, head_weights. The quantizer (SPEC section 7a steps 2-3) is handed `x`,
 # the reference's rotated values (ROTATED_NAMES: the queries, then the keys, in two calls), and
 # `quant`, the problem's index_quant; its quantities are `stage.quantizer.<CODE_QUANTITIES>`,
@@ -83,7 +83,7 @@ def stage_of(quantity: str) -> str:
     "stage.quantizer.query_codes" -> "quantizer"."""
     return quantity.split(".")[1]
 
-# The kind of a quantity: which rule and which tolerance row judge it (harness.tolerance
+# The kind of a quantity: which rule and which tolerance row judge it (harness.judging.tolerance
 # keys its tables by the numeric kinds forward / loss / grad). Also the pytest marker.
 KINDS = ("forward", "topk", "loss", "grad", "isolation", "codes")
 
@@ -157,7 +157,7 @@ class Outputs:
     error: str = ""
     # Errors of single calls (name or prefix -> one line): a stage plug-in whose backward raised
     # has `stage_grad.scores.` here and its forward in `values`. An entry reading such a name
-    # is `error` (harness.collect); the point's other quantities are judged as usual.
+    # is `error` (harness.run.collect); the point's other quantities are judged as usual.
     errors: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -214,7 +214,7 @@ class References:
     # The reference's worst error at the entry's dtype over K evaluation orders, per
     # canonical name (stored in the fixture; empty when unknown), and the problem's sizes
     # {B, S, W, HI, DI, R, E, m} that the floors scaling with the reduction read
-    # (harness.tolerance.reduction_length; None: no such floor).
+    # (harness.judging.tolerance.reduction_length; None: no such floor).
     order_errors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     dims: Mapping[str, int] | None = None
     # Where the problem quantizes: the reference recomputed on the candidate's own codes, in

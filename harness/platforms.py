@@ -7,10 +7,10 @@ Two things read it:
 - `not_applicable(dtype, kind, backend)`: a pure function, None when the backend can
   compute the point, else the reason. Such a point is reported with the status "not
   applicable on <backend>: <reason>": counted and listed in every report, never dropped,
-  never counted as passed (harness.collect / harness.judge / harness.report; pytest skips it
+  never counted as passed (harness.run.collect / harness.judging.judge / harness.run.report; pytest skips it
   with the reason).
 - `float32_operand_bits(backend, precision)`: the mantissa bits a float32 matmul operand
-  keeps under a precision; harness.tolerance turns it into the float32 floor of the
+  keeps under a precision; harness.judging.tolerance turns it into the float32 floor of the
   `default` profile per backend (a TPU's one bfloat16 pass is not a GPU's TF32).
 
 Sources: XLA:TPU has no native float64 (it emulates some 64-bit operations, not as IEEE
@@ -22,18 +22,15 @@ bits), HIGHEST true float32. XLA:CPU ignores the precision setting: every float3
 true float32. Nothing here has been measured on an accelerator yet; the first TPU/GPU run should
 confirm it (docs/platforms.md says how).
 
-    python -m harness.platforms [--backend tpu]   # the table and the not-applicable points
+The table and the matrix points a backend cannot compute: `python -m harness.run.platform_table`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
-from collections import Counter
 
 BACKENDS = ("cpu", "gpu", "tpu")
-KINDS = ("forward", "topk", "loss", "grad", "isolation", "codes")  # harness.matrix.Entry.kind
+KINDS = ("forward", "topk", "loss", "grad", "isolation", "codes")  # harness.points.Entry.kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +87,7 @@ def float32_operand_bits(backend: str, precision: str) -> int:
 
 def not_applicable(dtype: str, kind: str, backend: str) -> str | None:
     """None when `backend` can compute a matrix entry of `dtype` and kind `kind` (forward,
-    topk, loss, grad, isolation, codes: harness.matrix.Entry.kind), else the reason. Today only the
+    topk, loss, grad, isolation, codes: harness.points.Entry.kind), else the reason. Today only the
     dtype decides (every kind of a float64 point needs float64 arithmetic); the kind is part
     of the question so a backend row can exclude one kind without changing any caller.
     Pure: the same answer for the same arguments, whatever runs this process."""
@@ -116,28 +113,3 @@ def selection(entries, backend: str) -> dict[str, list]:
         if reason is not None:
             out.setdefault(not_applicable_label(backend, reason), []).append(e)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .matrix import build_matrix
-
-    ap = argparse.ArgumentParser(prog="python -m harness.platforms", description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", choices=BACKENDS, help="default: the backend JAX runs on here")
-    args = ap.parse_args(argv)
-    backend = args.backend or current_backend()
-    print("backend  float64  float16  matmul precision: float32 operand bits (meaning)")
-    for b, p in PLATFORMS.items():
-        mm = "; ".join(f"{k}: {bits} ({what})" for k, (bits, what) in p.matmul.items())
-        print(f"{b:<8} {'IEEE' if p.float64 is None else 'no':<8} {'yes' if p.float16 is None else 'no':<8} {mm}")
-    entries = build_matrix()
-    chosen = selection(entries, backend)
-    n = sum(len(v) for v in chosen.values())
-    print(f"\n{backend}: {n} of {len(entries)} default matrix entries not applicable")
-    for label, es in chosen.items():
-        kinds = Counter(e.kind for e in es)
-        print(f"  {len(es)} {label} ({', '.join(f'{k} {c}' for k, c in sorted(kinds.items()))})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@
     python scripts/figures.py --run-parity ARGS   # first run `csa-parity run ARGS --out reports`
 
 What it reads, all cheap (a few seconds, no JAX program compiled):
-- the matrix's sizes per sample: `harness.matrix.build_matrix` (nothing runs);
+- the matrix's sizes per sample: `harness.problems.matrix.build_matrix` (nothing runs);
 - the catalogues' sizes (cases, planted mistakes of both mutation self-tests, fixtures);
 - line counts of the code;
 - the memory and speed benchmark's last results, `benchmarks/results.json` (`make bench`
@@ -17,7 +17,7 @@ What it reads, all cheap (a few seconds, no JAX program compiled):
   hour on 2 cores). The section names the report and the command that wrote it; with no
   report present (a fresh clone) the page keeps the section it has.
 
-It also writes docs/judging.md's table of guarantees (every number of harness/tolerance.py, what
+It also writes docs/judging.md's table of guarantees (every number of harness/judging/tolerance.py, what
 it decides, its boundary test and its mutant) from tests/test_tolerance_boundaries.py.
 
 Every section names the command that reproduces its figures. The docs pages link here
@@ -49,9 +49,9 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def matrix_section() -> list[str]:
-    from harness.cases import CASES
-    from harness.matrix import SAMPLES, build_matrix, programs_at
     from harness.platforms import selection
+    from harness.problems.cases import CASES
+    from harness.problems.matrix import SAMPLES, build_matrix, programs_at
 
     rows = []
     for sample in SAMPLES:
@@ -64,7 +64,7 @@ def matrix_section() -> list[str]:
                      teachers["compressed"], len(entries),
                      ", ".join(f"{modes[m]} {m}" for m in ("forward", "dense", "sparse")), on_tpu])
     return ["## The matrix", "",
-            f"`python -c 'from harness.matrix import build_matrix; ...'` or, per selection, "
+            f"`python -c 'from harness.problems.matrix import build_matrix; ...'` or, per selection, "
             f"`csa-parity run --list [--sample ci|default|full]`. {len(CASES)} cases, 4 dtypes. A compiled "
             "program per point, two per point of a quantized case (on the oracle's codes and on its own); "
             "entries are what the judge checks (one or more checks each).", "",
@@ -73,8 +73,8 @@ def matrix_section() -> list[str]:
 
 
 def catalogue_section() -> list[str]:
-    from harness import judge_mutations, mutations
-    from harness.cases import CASES
+    from harness.problems.cases import CASES
+    from harness.selftest import judge_mutations, mutations
 
     fixtures = sorted((ROOT / "fixtures").glob("*.safetensors"))
     size = sum(p.stat().st_size for p in fixtures)
@@ -82,14 +82,14 @@ def catalogue_section() -> list[str]:
     beyond = sum(1 for m in mutations.CATALOGUE if m.problems and not m.points)
     return ["## Catalogues", "",
             *_table(["what", "count", "command"], [
-                ["cases (harness/cases.py)", len(CASES), "`python -c 'import harness.cases as c; print(list(c.CASES))'`"],
+                ["cases (harness/problems/cases.py)", len(CASES), "`python -c 'import harness.problems.cases as c; print(list(c.CASES))'`"],
                 ["fixture files, total size", f"{len(fixtures)}, {size / 1e6:.1f} MB",
                  "`python scripts/regenerate_fixtures.py` (byte-identical when nothing changed)"],
                 ["planted implementation mistakes (mutation self-test)",
                  f"{len(mutations.CATALOGUE)} ({beyond} only a pinned random problem reveals)",
-                 "`python -m harness.mutations`"],
-                ["planted judge mistakes", len(judge_mutations.CATALOGUE), "`python -m harness.judge_mutations`"],
-                ["numbers of harness/tolerance.py, each pinned at its boundary and loosened 10x by a mutant",
+                 "`python -m harness.selftest.mutations`"],
+                ["planted judge mistakes", len(judge_mutations.CATALOGUE), "`python -m harness.selftest.judge_mutations`"],
+                ["numbers of harness/judging/tolerance.py, each pinned at its boundary and loosened 10x by a mutant",
                  len(judge_mutations.NUMBER_CATALOGUE), "`pytest tests/test_tolerance_boundaries.py`"],
                 ["boundary test functions of the judge's rules", rule_tests, "`pytest tests/test_judge_rules.py`"],
             ]), ""]
@@ -104,12 +104,14 @@ def lines_section() -> list[str]:
     for room in ("jax_impl", "torch_ref", "harness", "tests", "benchmarks", "examples", "scripts"):
         files = sorted((ROOT / room).rglob("*.py"))
         rows.append([f"`{room}/`", len(files), sum(_lines(p) for p in files)])
-    harness = sorted((ROOT / "harness").glob("*.py"), key=_lines, reverse=True)
+    harness = sorted((ROOT / "harness").rglob("*.py"), key=_lines, reverse=True)
     docs = sorted((ROOT / "docs").glob("*.md"))
     return ["## Lines of code and docs", "",
             "`wc -l` over each room's Python files (what this script counts).", "",
             *_table(["room", "files", "lines"], rows), "",
-            "harness modules: " + ", ".join(f"{p.stem} {_lines(p)}" for p in harness if p.stem != "__init__"), "",
+            "harness modules (room/module): "
+            + ", ".join(f"{p.relative_to(ROOT / 'harness').with_suffix('').as_posix()} {_lines(p)}"
+                        for p in harness if p.stem != "__init__"), "",
             f"README.md {_lines(ROOT / 'README.md')} lines; docs: "
             + ", ".join(f"{p.name} {_lines(p)}" for p in docs if p != OUT), ""]
 
@@ -294,7 +296,7 @@ def _boundaries_module():
 
 
 def write_guarantees() -> None:
-    """Replace docs/judging.md's table of guarantees (every number of harness/tolerance.py, what it
+    """Replace docs/judging.md's table of guarantees (every number of harness/judging/tolerance.py, what it
     decides, its boundary test, its mutant) with the one the code gives now."""
     boundaries = _boundaries_module()
     page = JUDGING.read_text()
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report = args.report.resolve()
     if args.run_parity is not None:
-        cmd = [sys.executable, "-m", "harness.cli", "run", *shlex.split(args.run_parity), "--out", str(report.parent)]
+        cmd = [sys.executable, "-m", "harness.run.cli", "run", *shlex.split(args.run_parity), "--out", str(report.parent)]
         print("running:", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
         rc = subprocess.run(cmd, cwd=ROOT).returncode
         if rc not in (0, 1):  # 1: the run found failures, which the page reports

@@ -1,28 +1,28 @@
 #!/usr/bin/env python
-"""Re-measure every figure harness/tolerance.py (and the bounds beside it) quotes as
+"""Re-measure every figure harness/judging/tolerance.py (and the bounds beside it) quotes as
 "measured", and print each beside the bound it supports.
 
     python scripts/measure_tolerances.py            # 3 seeds, every committed fixture (~minutes)
     python scripts/measure_tolerances.py --quick    # 1 seed, 3 fixtures: a smoke run
 
 Sections (each names the table or comment it feeds):
-  CHUNK     harness/tolerance.py CHUNK: chunked vs native JAX on random `small` problems
+  CHUNK     harness/judging/tolerance.py CHUNK: chunked vs native JAX on random `small` problems
             (tests/problems.py, B=2, S=64): the worst normalised difference per dtype and
             kind over every chunk size of both head knobs (dense, sparse on the own and on an
             imposed selection), and separately over query chunks r dividing and not dividing
             S (compared at the same bound); then the one-ulp query flips of the per-chunk
             projection that the CHUNK comment counts.
-  FLOOR     harness/tolerance.py FLOOR["float32"]["loss"]: the example of its comment (torch
+  FLOOR     harness/judging/tolerance.py FLOOR["float32"]["loss"]: the example of its comment (torch
             vs JAX float32 sparse loss on the `small` fixture, each against the float64 oracle).
   ORDERS    the order-error bounds (order errors stored in the fixtures, sqrt(n) floors): the
             worst error / bound of the oracle checks per (kind, dtype), goldens mode, native
             points of the committed fixtures, and which term set that bound.
-  FIXTURE_CHECK  harness/tolerance.py FIXTURE_CHECK_RTOL: JAX on the committed fixtures vs
+  FIXTURE_CHECK  harness/judging/tolerance.py FIXTURE_CHECK_RTOL: JAX on the committed fixtures vs
             their goldens, normwise as `--check` compares, in eps(dtype).
-  BACKEND   harness/tolerance.py BACKEND: the pallas scoring backend vs the XLA path at the
+  BACKEND   harness/judging/tolerance.py BACKEND: the pallas scoring backend vs the XLA path at the
             same knobs, over the default sample's pallas points (the `xla` check's errors).
-  MEMORY    tests/test_memory.py (harness/tolerance.py MEMORY_FLOOR_FACTOR): chunk 1's compiled
-            temp memory over its analytic floor (also with the harness.mutations mutant that
+  MEMORY    tests/test_memory.py (harness/judging/tolerance.py MEMORY_FLOOR_FACTOR): chunk 1's compiled
+            temp memory over its analytic floor (also with the harness.selftest.mutations mutant that
             drops the scan's jax.checkpoint, in a child process), native over chunk 1, per-head
             growth over its allowance.
 --only, --dtype and --case narrow a run (tests/test_measure_tolerances.py runs a sliver).
@@ -51,18 +51,20 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_impl  # noqa: E402
-from harness import platforms, tolerance  # noqa: E402
-from harness.cases import CASES  # noqa: E402
-from harness.collect import dims, evaluate  # noqa: E402
-from harness.compare import normalised_error, to_numpy  # noqa: E402
-from harness.implementations import fixture, outputs  # noqa: E402
-from harness.matrix import Point, build_matrix, divisors, query_chunk_sizes  # noqa: E402
+from harness import platforms  # noqa: E402
+from harness.judging import tolerance  # noqa: E402
+from harness.judging.compare import normalised_error, to_numpy  # noqa: E402
+from harness.judging.tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL  # noqa: E402
 from harness.outputs import NOT_APPLICABLE  # noqa: E402
-from harness.tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL  # noqa: E402
+from harness.points import Point  # noqa: E402
+from harness.problems.cases import CASES  # noqa: E402
+from harness.problems.matrix import build_matrix, divisors, query_chunk_sizes  # noqa: E402
+from harness.run.collect import dims, evaluate  # noqa: E402
+from harness.sides.implementations import fixture, outputs  # noqa: E402
 
 LOW = ("float32", "bfloat16", "float16")
 DTYPES = (*LOW, "float64")
-KINDS = ("forward", "loss", "grad")  # harness.tolerance.numeric_kind
+KINDS = ("forward", "loss", "grad")  # harness.judging.tolerance.numeric_kind
 # eps(t) as FIXTURE_CHECK_RTOL counts it (2^-mantissa bits) and ulp(t) at 1.0 as tolerance.py does
 EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 ULP = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
@@ -99,7 +101,7 @@ def _bundle(params, inputs, cfg_dict, dtype, selection):
 def chunk_differences(chunked: dict, native: dict) -> tuple[dict, int]:
     """({kind: worst normalised difference}, queries whose top-k set differs) of one chunked
     bundle against the native one; the own-selection sparse mode is compared only where the
-    two selections agree (as harness.judge does)."""
+    two selections agree (as harness.judging.judge does)."""
     worst = dict.fromkeys(KINDS, 0.0)
     for q in ("compressed_keys", "index_scores"):
         err, _, _ = normalised_error(chunked["forward"][q], native["forward"][q], _scale(q))
@@ -169,7 +171,7 @@ def chunk_section(seeds, dtypes=DTYPES) -> None:
     from problems import SMALL
 
     qs = [r for r in query_chunk_sizes(64) if r]
-    print(f"CHUNK (harness/tolerance.py CHUNK): chunked vs native JAX, random small problems (B=2, S=64), "
+    print(f"CHUNK (harness/judging/tolerance.py CHUNK): chunked vs native JAX, random small problems (B=2, S=64), "
           f"seeds {list(seeds)}; head: every divisor of HI={SMALL['index_n_heads']} and H={SMALL['num_query_heads']}; "
           f"query: r in {qs} (S=64); dense, sparse at the native selection, sparse own selection where equal")
     result = chunk_measure(seeds, dtypes)
@@ -193,7 +195,7 @@ def chunk_section(seeds, dtypes=DTYPES) -> None:
 
 
 def floor_section() -> None:
-    print("FLOOR (harness/tolerance.py FLOOR float32 loss): small fixture, float32 sparse loss vs the "
+    print("FLOOR (harness/judging/tolerance.py FLOOR float32 loss): small fixture, float32 sparse loss vs the "
           "float64 oracle")
     ref = {dt: outputs("torch_ref", "small", Point("small", dt)) for dt in ("float64", "float32")}  # torch now
     oracle = ref["float64"]["loss.sparse"]
@@ -261,7 +263,7 @@ def orders_section(cases, dtypes=DTYPES) -> None:
 
 def fixture_check_errors(cases, dtype: str) -> dict:
     """{kind: worst normwise error} of JAX (native) against the committed goldens, as
-    harness.regenerate.compare_tensor measures (over the finite entries, relative to the
+    harness.run.regenerate.compare_tensor measures (over the finite entries, relative to the
     tensor's largest |golden|); own-selection sparse goldens only where JAX picks the same sets."""
     worst = dict.fromkeys(KINDS, 0.0)
     for case in cases:
@@ -282,7 +284,7 @@ def fixture_check_errors(cases, dtype: str) -> dict:
 
 
 def fixture_section(cases, dtypes=DTYPES) -> None:
-    print(f"FIXTURE_CHECK (harness/tolerance.py FIXTURE_CHECK_RTOL): JAX (native) on {len(cases)} committed fixtures vs "
+    print(f"FIXTURE_CHECK (harness/judging/tolerance.py FIXTURE_CHECK_RTOL): JAX (native) on {len(cases)} committed fixtures vs "
           "their goldens, normwise")
     for dtype in dtypes:
         worst = fixture_check_errors(cases, dtype)
@@ -293,11 +295,11 @@ def fixture_section(cases, dtypes=DTYPES) -> None:
 # --------------------------------------------------------------------------- MEMORY
 
 
-# Run in a fresh interpreter: jax_impl imported from a patched copy (harness.mutation_worker.redirect).
+# Run in a fresh interpreter: jax_impl imported from a patched copy (harness.selftest.mutation_worker.redirect).
 _MUTANT_MEMORY = """
 import sys
 sys.path[:0] = [{root!r}]
-from harness.mutation_worker import foreign_modules, redirect
+from harness.selftest.mutation_worker import foreign_modules, redirect
 redirect({copy!r})
 import jax
 jax.config.update("jax_enable_x64", True)
@@ -312,12 +314,12 @@ print(held / analytic_floor(cfg, TEST_BATCH, TEST_SEQ)["total"])
 
 
 def mutant_memory_ratio(name: str) -> float:
-    """Chunk 1's (temp + YNN scratch) / analytic floor with the harness.mutations mutant `name`
+    """Chunk 1's (temp + YNN scratch) / analytic floor with the harness.selftest.mutations mutant `name`
     applied to a copy of jax_impl (test_memory.py quotes it for the lost jax.checkpoint)."""
     import subprocess
     import tempfile
 
-    from harness.mutations import CATALOGUE, patch_copy
+    from harness.selftest.mutations import CATALOGUE, patch_copy
 
     mutant = next(m for m in CATALOGUE if m.name == name)
     with tempfile.TemporaryDirectory(prefix=f"measure-{name}-") as tmp:
@@ -333,7 +335,7 @@ def mutant_memory_ratio(name: str) -> float:
 def memory_section(quick: bool) -> None:
     from benchmarks.memory_speed import (TEST_BATCH, TEST_SEQ, TEST_SHAPE, analytic_floor, compiled_temp_bytes,
                                          grows_no_worse_than_linearly)
-    from harness.tolerance import MEMORY_FLOOR_FACTOR as FLOOR_FACTOR, MEMORY_GROWTH_SLACK
+    from harness.judging.tolerance import MEMORY_FLOOR_FACTOR as FLOOR_FACTOR, MEMORY_GROWTH_SLACK
 
     print(f"MEMORY (tests/test_memory.py, compile-only, B={TEST_BATCH} S={TEST_SEQ} "
           f"HI={TEST_SHAPE['index_n_heads']}, float32)")
@@ -371,7 +373,7 @@ SECTIONS = ("chunk", "floor", "orders", "fixtures", "memory", "backend")
 def backend_section(cases, dtypes=DTYPES) -> None:
     """The `xla` check's errors (Pallas vs XLA at the same knobs) over the default sample's
     pallas points, goldens mode (interpret mode off TPU: ~10-40 s a point)."""
-    print("BACKEND (harness/tolerance.py BACKEND): the pallas backend vs the XLA path, default "
+    print("BACKEND (harness/judging/tolerance.py BACKEND): the pallas backend vs the XLA path, default "
           "sample's pallas points, goldens mode")
     worst: dict = {}
     for entry in build_matrix(cases=cases, dtypes=dtypes, backends=["pallas"]):

@@ -16,7 +16,7 @@ def run_cli(tmp_path, *args):
     --no-progress --jobs 1 ARGS` from the repository root, the tests' plug-ins importable."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     out = tmp_path / "rep"
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--out", str(out), "--no-progress",
+    proc = subprocess.run([sys.executable, "-m", "harness.run.cli", "run", "--out", str(out), "--no-progress",
                            "--jobs", "1", *args], cwd=ROOT, env=env, capture_output=True, text=True)
     report = json.loads((out / "parity.json").read_text()) if (out / "parity.json").exists() else None
     return proc, report

@@ -32,17 +32,9 @@ import pytest
 import importlib
 
 import jax_impl
-from harness import cli
-from harness.fixtures import (
-    FIXTURES_DIR,
-    FixtureError,
-    load_case,
-    read_manifest,
-    read_safetensors,
-    sha256_of,
-    write_manifest,
-    write_safetensors,
-)
+from harness.problems.fixtures import (FIXTURES_DIR, FixtureError, load_case, read_manifest, read_safetensors,
+                                       sha256_of, write_manifest, write_safetensors)
+from harness.run import cli
 from error_catalogue import (
     CONFIG_ERRORS,
     INPUT_ERRORS,
@@ -451,7 +443,7 @@ def _pick_out_of_range(d):
 
 
 # A fixture whose sha matches MANIFEST.json but whose values no valid fixture holds:
-# harness.fixtures refuses it at load (the parity run must not judge NaN as pass or fail).
+# harness.problems.fixtures refuses it at load (the parity run must not judge NaN as pass or fail).
 VALUE_ERRORS = [
     (_nan_input, "tensor 'q_latent' holds nan at index (0, 3, 1) (inputs and parameters must be finite)"),
     (_inf_teacher, "tensor 'teacher_kv' holds -inf at index (0, 2, 5) (inputs and parameters must be finite)"),
@@ -492,7 +484,7 @@ def test_fixture_sink_of_minus_inf_is_loaded(copy_dir):
 
 
 def _cli(capfd, argv) -> tuple[int, list[str]]:
-    """harness.cli.main in this process; (exit code, stderr lines). capfd also catches
+    """harness.run.cli.main in this process; (exit code, stderr lines). capfd also catches
     what a spawned worker writes to the inherited stderr."""
     code = cli.main(argv)
     err = capfd.readouterr().err

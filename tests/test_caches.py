@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import implementations, reference_cache, timing
-from harness.matrix import Point
+from harness.points import Point
+from harness.sides import implementations, reference_cache, timing
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ ONE_POINT = ["--cases", "tiny", "--dtypes", "float32", "--ichunks", "0", "--tchu
 
 def _run(args, cwd: Path, pythonpath: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pythonpath), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", *args], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-m", "harness.run.cli", "run", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = Path(args[args.index("--out") + 1])

@@ -1,4 +1,4 @@
-"""The case catalogue (harness/cases.py): each required case exists and exercises what its name
+"""The case catalogue (harness/problems/cases.py): each required case exists and exercises what its name
 says, every config validates on both sides, and make_inputs is deterministic."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jax_impl
-from harness.cases import (CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, TEACHERS, V4_YARN,
-                           Case, full_config, get_case, make_inputs)
+from harness.problems.cases import (CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, TEACHERS, V4_YARN,
+                                    Case, full_config, get_case, make_inputs)
 
 REQUIRED = ("tiny", "small", "packed", "ragged", "no_blocks", "topk_wide", "ties", "flash_dims",
             "window_only", "sink_only", "window_one", "window_wide", "window_heavy", "teacher_gap",

@@ -24,7 +24,7 @@ def _run(args, tmp_path, env_extra=None, block_torch=False):
         paths.insert(0, str(blocker))
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "harness.cli", *args]
+    cmd = [sys.executable, "-m", "harness.run.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
 
 
@@ -106,7 +106,7 @@ def test_a_plugins_run_arguments_are_checked_without_jax_impl(tmp_path):
     plugin = tmp_path / "numpy_plugin.py"
     plugin.write_text("class CSAConfig(dict):\n    from_dict = classmethod(lambda cls, d: cls(d))\n\n"
                       "def indexer_forward(params, inputs, cfg, dtype):\n    raise NotImplementedError\n")
-    code = ("import sys; from harness import cli; "
+    code = ("import sys; from harness.run import cli; "
             "args = cli.build_parser().parse_args(['run', '--impl', 'numpy_plugin', '--cases', 'small', '--ichunks', '2', "
             "'--qchunks', '5', '--no-progress', '--out', sys.argv[1]]); "
             "cli._validate_run_args(args); "

@@ -1,6 +1,6 @@
-"""harness.codes: the formats' bit patterns, and the boundary-tie rule that judges quantized codes
+"""harness.judging.codes: the formats' bit patterns, and the boundary-tie rule that judges quantized codes
 and UE8M0 scales (SPEC sections 7a and 10). Pure numpy: a brute-force quantizer written here
-(every format value tried, not harness.codes' own rounding) builds the oracle's codes."""
+(every format value tried, not harness.judging.codes' own rounding) builds the oracle's codes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from harness.codes import FORMATS, codes_check, decode, format_values, quantize_at, scales_check
+from harness.judging.codes import FORMATS, codes_check, decode, format_values, quantize_at, scales_check
 from harness.outputs import EXCUSED, FAILED, PASSED
 
 BOUND = 2e-3

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from harness import tolerance
-from harness.compare import compare_close, exactly_zero, normalised_error, oracle_relative, topk_sets
+from harness.judging import tolerance
+from harness.judging.compare import compare_close, exactly_zero, normalised_error, oracle_relative, topk_sets
 
 
 def _scores():
@@ -126,7 +126,7 @@ def test_default_precision_profile_only_raises_float32_floors():
 
 
 def test_a_check_result_takes_only_the_known_statuses():
-    from harness.compare import CheckResult
+    from harness.judging.compare import CheckResult
 
     with pytest.raises(ValueError, match=r"^CheckResult status=True is not one of passed, failed, excused, "
                                          r"not_provided, not_applicable"):

@@ -1,12 +1,12 @@
 """Config-field audit: every field of SPEC section 1 must take every value class that
 changes a code path somewhere in the suite, or a mistake that only another value reveals goes
-through green (the mutants of harness/mutations.py marked `problems=` are such mistakes).
+through green (the mutants of harness/selftest/mutations.py marked `problems=` are such mistakes).
 
 Where the values come from:
-- the committed cases (harness/cases.py): their configs, with the chunk knobs of every point
-  of the parity matrix (harness.matrix.chunk_points, every dtype: not the fixture files) and
+- the committed cases (harness/problems/cases.py): their configs, with the chunk knobs of every point
+  of the parity matrix (harness.problems.matrix.chunk_points, every dtype: not the fixture files) and
   both loss modes (the matrix runs dense and sparse at every point);
-- the pinned random problems (harness.random_configs.PINNED), which run in every profile of
+- the pinned random problems (harness.problems.random_configs.PINNED), which run in every profile of
   tests/test_random_configs.py, each at its own knobs and natively (chunk knobs 0).
 The hypothesis draws are not counted: they change with the profile; the pinned problems do not.
 
@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 
 import jax_impl
-from harness.cases import CASES
-from harness.matrix import BACKENDS, DTYPES, MODES, build_matrix, chunk_points, compressed_points
-from harness.random_configs import CHUNK_KNOBS, PINNED, config_fields
+from harness.outputs import MODES
+from harness.points import DTYPES
+from harness.problems.cases import CASES
+from harness.problems.matrix import BACKENDS, build_matrix, chunk_points, compressed_points
+from harness.problems.random_configs import CHUNK_KNOBS, PINNED, config_fields
 
 import numpy as np
 
@@ -39,7 +41,7 @@ DEFAULT_THETA, DEFAULT_EPS = 160000.0, 1e-6
 
 # Config fields that are not SPEC section 1's math but a choice of code: jax_impl validates and
 # reads them, torch_ref accepts (same message on a bad value) and ignores them. Each value must
-# run somewhere in the parity matrix (harness.matrix.Point.backend).
+# run somewhere in the parity matrix (harness.points.Point.backend).
 IMPLEMENTATION_FIELDS = {"scoring_backend": {"xla", "pallas"}}
 
 
@@ -196,7 +198,7 @@ def test_every_value_class_of_the_field_is_exercised(field):
     assert not missing, (
         f"{field}: value class(es) {missing} never exercised; seen: "
         + "; ".join(f"{cls} ({', '.join(sorted(set(src))[:3])})" for cls, src in sorted(seen.items()))
-        + ". Add a pinned problem (harness/random_configs.py) or a catalogue case.")
+        + ". Add a pinned problem (harness/problems/random_configs.py) or a catalogue case.")
 
 
 def test_the_committed_cases_alone_leave_fields_at_one_value_class():

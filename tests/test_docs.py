@@ -37,7 +37,7 @@ def _run_options() -> set[str]:
     import contextlib
     import io
 
-    from harness.cli import main
+    from harness.run.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -57,9 +57,9 @@ def test_the_commands_shown_use_real_options():
 
 
 def test_the_readme_excerpts_have_the_shape_the_code_prints():
-    from harness.cli import selection_lines  # noqa: F401  (the --list the README names)
-    from harness.matrix import Point
-    from harness.report import COLUMNS, RERUN, rerun_command
+    from harness.points import Point
+    from harness.run.cli import selection_lines  # noqa: F401  (the --list the README names)
+    from harness.run.report import COLUMNS, RERUN, rerun_command
 
     header = next(line for line in README.splitlines() if line.startswith("case ") and "dtype" in line)
     assert header.split() == ["case", "dtype", *COLUMNS]
@@ -80,3 +80,18 @@ def test_the_figures_page_is_current_for_what_follows_from_the_code():
     page = (ROOT / "docs" / "FIGURES.md").read_text()
     for section in (figures.matrix_section(), figures.catalogue_section()):
         assert "\n".join(section) in page, f"docs/FIGURES.md is stale: run `make figures`\n{chr(10).join(section)}"
+
+
+def test_the_design_map_of_the_harness_rooms_matches_the_tree():
+    """docs/design.md's table of harness/'s rooms names every module where it is, and nothing else."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text.split("### `harness/`, room by room", 1)[1].split("\n\n|", 1)[1].split("\n\n", 1)[0]
+    named = set()
+    for row in table.splitlines()[2:]:
+        room, modules = row.split(" | ")[:2]
+        folder = re.match(r"\| `(harness/\w+/)`", room)
+        for name in re.findall(r"`((?:harness/)?[\w/]+\.py)`", modules):
+            named.add(name if name.startswith("harness/") else f"{folder.group(1)}{name}")
+    tree = {p.relative_to(ROOT).as_posix() for p in (ROOT / "harness").rglob("*.py")
+            if p.name != "__init__.py" or p.parent.name == "harness"}
+    assert named == tree, f"missing from the map: {sorted(tree - named)}; named but not there: {sorted(named - tree)}"

@@ -1,4 +1,4 @@
-"""The committed fixtures (harness/fixtures.py, scripts/regenerate_fixtures.py).
+"""The committed fixtures (harness/problems/fixtures.py, scripts/regenerate_fixtures.py).
 
 - regeneration is byte-identical (twice, one of them through the script in a fresh process);
 - `--check` passes on the committed files and names the tensor when a copy is damaged;
@@ -24,24 +24,12 @@ import numpy as np
 import pytest
 
 import harness
-from harness.cases import CASES, KNOB_FIELDS, TEACHERS
-from harness.fixtures import (
-    FIXTURES_DIR,
-    GOLDEN_DTYPES,
-    LOW_DTYPES,
-    MANIFEST_NAME,
-    SCHEMA_VERSION,
-    FixtureError,
-    load_case,
-    read_manifest,
-    read_safetensors,
-    sha256_of,
-    tensor_schema,
-    write_manifest,
-    write_safetensors,
-)
-from harness.regenerate import regenerate
-from harness.tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL
+from harness.judging.tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL
+from harness.problems.cases import CASES, KNOB_FIELDS, TEACHERS
+from harness.problems.fixtures import (FIXTURES_DIR, GOLDEN_DTYPES, LOW_DTYPES, MANIFEST_NAME, SCHEMA_VERSION,
+                                       FixtureError, load_case, read_manifest, read_safetensors, sha256_of,
+                                       tensor_schema, write_manifest, write_safetensors)
+from harness.run.regenerate import regenerate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,7 +154,7 @@ def test_importing_the_harness_pins_torchs_cpu_kernels():
     generated with, whatever the CPU's widest (an AVX512 machine would round float32 goldens
     differently), and regenerate's capability note is then silent."""
     env = {k: v for k, v in os.environ.items() if k not in AVX2_PINS}
-    code = ("import harness, os, torch; from harness.regenerate import cpu_capability_note; "
+    code = ("import harness, os, torch; from harness.run.regenerate import cpu_capability_note; "
             "print(torch.backends.cpu.get_cpu_capability()); print(cpu_capability_note()); "
             f"print({{k: os.environ.get(k) for k in {sorted(AVX2_PINS)}}})")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -289,7 +277,7 @@ def test_every_case_holds_every_teachers_goldens(fixtures):
 
 
 def test_loading_needs_neither_torch_nor_the_code_under_test():
-    code = ("import sys; from harness.fixtures import load_case; load_case('small'); "
+    code = ("import sys; from harness.problems.fixtures import load_case; load_case('small'); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_ref', 'jax', 'jax_impl')); "
             "assert not bad, f'loading a fixture imported {bad}'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -327,7 +315,7 @@ def test_error_missing_file(copy_dir):
 
 
 def test_error_missing_file_in_the_repo_names_the_plain_command(copy_dir, monkeypatch):
-    import harness.fixtures as F
+    import harness.problems.fixtures as F
 
     monkeypatch.setattr(F, "REPO_ROOT", copy_dir.parent)
     monkeypatch.setattr(F, "FIXTURES_DIR", copy_dir)
@@ -410,7 +398,7 @@ def test_error_config_no_longer_validates(copy_dir):
     _rewrite(copy_dir / "tiny.safetensors", metadata={"config": json.dumps(cfg)})
     msg = _load_error(copy_dir)
     assert "tiny.safetensors: its config no longer validates: rope_head_dim=3 must be even. " \
-           "Fix case 'tiny' in harness/cases.py if needed, then regenerate with" in msg
+           "Fix case 'tiny' in harness/problems/cases.py if needed, then regenerate with" in msg
     cfg = {**CASES["tiny"].config_dict(), "window": 4}
     _rewrite(copy_dir / "tiny.safetensors", metadata={"config": json.dumps(cfg)})
     assert "its config no longer validates: unknown config field 'window'" in _load_error(copy_dir)
@@ -424,7 +412,7 @@ def test_error_config_differs_from_catalogue(copy_dir):
     cfg = {**CASES["tiny"].config_dict(), "index_topk": 3}
     _rewrite(copy_dir / "tiny.safetensors", metadata={"config": json.dumps(cfg)})
     msg = _load_error(copy_dir)
-    assert "was written for another config than case 'tiny' in harness/cases.py " \
+    assert "was written for another config than case 'tiny' in harness/problems/cases.py " \
            "(index_topk: file 3, catalogue 2): regenerate it with" in msg
 
 
@@ -631,8 +619,8 @@ def test_float64_reference_is_invariant_under_head_permutations(fixtures, name):
 def test_order_errors_bound_the_stored_goldens_own_error(fixtures):
     """Order 0 of `order_errors` is the stored evaluation order, so every stored order error
     is at least the stored golden's own error against the oracle (and finite, >= 0)."""
-    from harness.compare import normalised_error
-    from harness.fixtures import ORDERR_QUANTITIES
+    from harness.judging.compare import normalised_error
+    from harness.problems.fixtures import ORDERR_QUANTITIES
 
     above = 0
     for fx in fixtures.values():
@@ -649,7 +637,7 @@ def test_order_errors_bound_the_stored_goldens_own_error(fixtures):
 
 
 def test_evaluation_orders_start_with_the_stored_order_and_are_distinct():
-    from harness.regenerate import ORDER_COUNT, evaluation_orders
+    from harness.run.regenerate import ORDER_COUNT, evaluation_orders
 
     orders = evaluation_orders(2, 8, 8)
     assert len(orders) == ORDER_COUNT
@@ -661,9 +649,9 @@ def test_evaluation_orders_start_with_the_stored_order_and_are_distinct():
 
 
 def test_check_flags_an_order_error_that_moved_more_than_the_factor():
-    from harness.fixtures import RawTensor
-    from harness.regenerate import compare_tensor
-    from harness.tolerance import ORDERR_CHECK_FACTOR
+    from harness.judging.tolerance import ORDERR_CHECK_FACTOR
+    from harness.problems.fixtures import RawTensor
+    from harness.run.regenerate import compare_tensor
 
     def t(x):
         return RawTensor("F64", (), np.float64(x).tobytes())

@@ -19,14 +19,14 @@ skip_module_without_torch()
 
 import jax_impl  # noqa: E402
 import torch_ref  # noqa: E402
-from harness.compare import compare_close, exactly_zero, to_numpy, topk_sets
-from harness.tolerance import EXACT64, chunk_bound
+from harness.judging.compare import compare_close, exactly_zero, to_numpy, topk_sets
+from harness.judging.tolerance import EXACT64, chunk_bound
 
 from problems import SMALL, random_problem
 
 PARAMS = jax_impl.PARAM_NAMES
 
-# float32 JAX vs float32 torch, normalised error (see harness.compare).
+# float32 JAX vs float32 torch, normalised error (see harness.judging.compare).
 # Measured on random small problems, seeds 0-2 (worst over quantities):
 #   keys+scores 3.2e-6, losses 4.1e-7, grads 9.8e-7.
 # Both sides round the same f32 projections, so they differ by a few f32 ulps

@@ -37,7 +37,7 @@ TOL = 1e-5
 MARGIN = 1e-3
 # custom VJP vs autodiff, max |diff| / max |autodiff grad|. Measured worst over the chunk sizes
 # and gradients below: float64 3.5e-16, float32 4.4e-7 (the float32 bound leaves 23x room for
-# another CPU's blocking; float64 the 1e-12 of harness.tolerance.EXACT64).
+# another CPU's blocking; float64 the 1e-12 of harness.judging.tolerance.EXACT64).
 GRAD_RTOL = {"float64": 1e-12, "float32": 1e-5}
 
 TINY = dict(emb_dim=16, q_lora_rank=8, index_n_heads=4, index_head_dim=8, rope_head_dim=4,

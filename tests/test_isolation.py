@@ -1,4 +1,4 @@
-"""Crash isolation (harness/worker.py): a kernel that aborts, segfaults, exits, is killed for
+"""Crash isolation (harness/sides/worker.py): a kernel that aborts, segfaults, exits, is killed for
 memory, runs out of a memory limit, hangs, raises only in its backward or returns a ragged list
 never takes the run down. Its point's own quantities are `error` with one line, the other
 points run, the reports are complete, the exit code is 1; an interrupted or killed CLI leaves
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import report as report_module
-from harness.collect import evaluate
-from harness.matrix import Entry, Point
-from harness.worker import run_points
+from harness.points import Entry, Point
+from harness.run import report as report_module
+from harness.run.collect import evaluate
+from harness.run.tasks import error_records
+from harness.sides.worker import run_points
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.torch
@@ -33,7 +34,7 @@ def _env(**extra):
 
 
 def _command(out, plugin, *args):
-    return [sys.executable, "-m", "harness.cli", "run", "--impl", f"plugins.misbehaving:{plugin}", "--out", str(out),
+    return [sys.executable, "-m", "harness.run.cli", "run", "--impl", f"plugins.misbehaving:{plugin}", "--out", str(out),
             "--no-progress", "--jobs", "1", "--teachers", "joint", *args]
 
 
@@ -209,7 +210,7 @@ def test_under_pytest_a_backward_that_raises_keeps_the_forward_verdict():
 
 
 def test_a_bad_timeout_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--cases", "tiny", "--timeout", "0",
+    proc = subprocess.run([sys.executable, "-m", "harness.run.cli", "run", "--cases", "tiny", "--timeout", "0",
                            "--out", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "csa-parity: error: --timeout=0 must be a number of seconds > 0"
@@ -222,5 +223,5 @@ def test_a_worker_that_cannot_start_is_one_clear_error_not_a_wait():
     with pytest.raises(RuntimeError, match=r"a csa-parity worker could not start \(worker exited with code 1\)"):
         run_points([[(Point("tiny", "float32"), [])]], "live", "highest",
                    {"precision": "no-such-precision", "fixtures_dir": None, "sys_path": list(sys.path)}, 1, 60.0,
-                   lambda *a: None)
+                   lambda *a: None, error_records)
     assert time.monotonic() - start < 60

@@ -9,15 +9,16 @@ import types
 import numpy as np
 import pytest
 
-from harness.fixtures import load_case
-from harness.implementations import Goldens, ProtocolImplementation
-from harness.judge import judge
-from harness.matrix import Entry, Point, entries_at
+from harness.judging.judge import judge
+from harness.judging.tolerance import Policy
 from harness.outputs import (EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, Outputs,
                              References, output_name)
-from harness.regenerate import compare_topk
-from harness.report import record, summarise
-from harness.tolerance import Policy
+from harness.points import Entry, Point
+from harness.problems.fixtures import load_case
+from harness.problems.matrix import entries_at
+from harness.run.regenerate import compare_topk
+from harness.run.report import record, summarise
+from harness.sides.implementations import Goldens, ProtocolImplementation
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +149,7 @@ def test_not_applicable_and_every_status_is_counted(tiny):
 
 
 def test_the_report_keeps_the_compressed_teacher_in_rows_of_its_own(tiny):
-    from harness.report import table
+    from harness.run.report import table
 
     records = []
     for teacher in ("joint", "compressed"):

@@ -1,14 +1,14 @@
-"""Mutation self-test of the judge: every mistake of harness/judge_mutations.py's catalogue is
+"""Mutation self-test of the judge: every mistake of harness/selftest/judge_mutations.py's catalogue is
 caught by the test its entry names, and every one of those tests passes on the unmutated code.
 
 Each mutant is applied to a temporary copy of harness/ (never the committed source) and its
 killing test (tests/test_judge_rules.py) runs in a pytest process of its own that imports the
 copy (checked by a probe plug-in: a run that imported this checkout's harness stops, it never
 counts as a kill). A surviving mutant fails its own test, named after it; so does one killed
-only by a crash or by another test. `python -m harness.judge_mutations` prints the kill table.
+only by a crash or by another test. `python -m harness.selftest.judge_mutations` prints the kill table.
 
-The number mutants (one per number of harness/tolerance.py, 10x looser) are checked the same
-way, all in one process (harness.judge_mutations.run_numbers), and one of them once more under
+The number mutants (one per number of harness/judging/tolerance.py, 10x looser) are checked the same
+way, all in one process (harness.selftest.judge_mutations.run_numbers), and one of them once more under
 pytest, to show both ways agree.
 
 Cost: one pytest start per mutant of the hand-made catalogue (no conftest, no JAX program):
@@ -25,26 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import tolerance
-from harness.judge_mutations import (
-    BOUNDARIES,
-    CATALOGUE,
-    KINDS,
-    MODULES,
-    NUMBER_CATALOGUE,
-    NUMBER_KIND,
-    NUMBER_TEST,
-    PACKAGE,
-    HarnessMutant,
-    MutationError,
-    killed_by_its_test,
-    number_mutant_name,
-    patch_copy,
-    run_clean,
-    run_mutant,
-    run_numbers,
-    run_tests,
-)
+from harness.judging import tolerance
+from harness.selftest.judge_mutations import (BOUNDARIES, CATALOGUE, KINDS, MODULES, NUMBER_CATALOGUE, NUMBER_KIND,
+                                              NUMBER_TEST, PACKAGE, HarnessMutant, MutationError, killed_by_its_test,
+                                              number_mutant_name, patch_copy, run_clean, run_mutant, run_numbers,
+                                              run_tests)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,7 +73,7 @@ def test_the_boundary_tests_pass_on_an_unmutated_copy(number_runs):
 
 
 def test_every_number_10x_looser_is_killed_by_its_boundary_test(number_runs):
-    """Each number of harness/tolerance.py made 10x looser in a copy fails its boundary test, with
+    """Each number of harness/judging/tolerance.py made 10x looser in a copy fails its boundary test, with
     every one of its boundary cases going soft (none of them is blind to it), and the failure
     starts with the number's name."""
     _, outcomes = number_runs
@@ -114,11 +99,11 @@ def test_every_number_10x_looser_is_killed_by_its_boundary_test(number_runs):
 
 
 def test_the_number_catalogue_follows_the_table():
-    """One mutant per number of harness/tolerance.py, named after it, killed by its boundary test."""
+    """One mutant per number of harness/judging/tolerance.py, named after it, killed by its boundary test."""
     numbers = [n for n, _, _ in tolerance.entries()]
     assert [m.name for m in NUMBER_CATALOGUE] == [number_mutant_name(n) for n in numbers]
     for m, (number, _, value) in zip(NUMBER_CATALOGUE, tolerance.entries()):
-        assert m.kind == NUMBER_KIND and m.module == "tolerance.py" and m.rule == number, m
+        assert m.kind == NUMBER_KIND and m.module == "judging/tolerance.py" and m.rule == number, m
         assert m.killing_test == f"{BOUNDARIES}::{NUMBER_TEST}[{number}]", m
         assert repr(tolerance.loosened(value)) in m.appended and tolerance.loosened(value) > value, m
 
@@ -168,19 +153,19 @@ def test_every_mutant_still_applies_exactly_once():
 
 
 def test_a_stale_entry_fails_loudly(tmp_path):
-    m = HarnessMutant("stale", "bound", "compare.py", "this text is not in compare.py", "", "tests/x.py::t", "r",
+    m = HarnessMutant("stale", "bound", "judging/compare.py", "this text is not in compare.py", "", "tests/x.py::t", "r",
                       "none")
     with pytest.raises(MutationError, match=r"mutant 'stale': its `old` text occurs 0 times in "
-                                             r"harness/compare.py \(expected exactly once\)"):
+                                             r"harness/judging/compare.py \(expected exactly once\)"):
         patch_copy(m, tmp_path)
 
 
 def test_the_committed_source_is_never_touched(tmp_path):
     root = ROOT / PACKAGE
-    before = {p.name: p.read_bytes() for p in root.glob("*.py")}
+    before = {p: p.read_bytes() for p in root.rglob("*.py")}
     for m in CATALOGUE[:4]:
         patch_copy(m, tmp_path / m.name)
-    assert {p.name: p.read_bytes() for p in root.glob("*.py")} == before
+    assert {p: p.read_bytes() for p in root.rglob("*.py")} == before
 
 
 def test_the_test_process_imports_the_copy(tmp_path):

@@ -1,15 +1,15 @@
 """The judge's rules at their boundaries (SPEC section 10), on outputs made by hand.
 
-Each test pins one rule of harness/judge.py, harness/compare.py and harness/tolerance.py: an
+Each test pins one rule of harness/judging/judge.py, harness/judging/compare.py and harness/judging/tolerance.py: an
 error at 0.9x the bound the rule gives must pass and one at 1.1x must fail, for every kind of
 check (oracle, exact64, chunk, oracle@sel, chunk@sel, topk, chunk-topk, isolation, stage). The
 bound each test expects is computed here from SPEC section 10, not asked of the harness: alpha
 and the exact64 bound are SPEC's numbers (below), the per-dtype floors and the chunk bounds are
-read from harness/tolerance.py's tables (data), and the sqrt(n) floors are derived here from
+read from harness/judging/tolerance.py's tables (data), and the sqrt(n) floors are derived here from
 the problem's sizes. So a rule that goes soft (a bound multiplied, a scale taken over the wrong
 axis, a NaN ignored, a tie excused too widely) fails the test named after it, and the failure
 message names the rule. docs/judging.md lists every rule with its test and the harness mutant
-(harness/judge_mutations.py) that proves the test can fail.
+(harness/selftest/judge_mutations.py) that proves the test can fail.
 
 Pure numpy: no JAX program, no torch (the CLI test replaces the worker pool, the platform
 probe and the heat map's drawing; nothing of the judging, the summary or parity.md).
@@ -22,19 +22,19 @@ import math
 import numpy as np
 import pytest
 
-from harness import collect as collect_module
-from harness import report as report_module
-from harness import tolerance
-from harness import worker as worker_module
-from harness.compare import CheckResult, status_result
-from harness.judge import judge, stage_checks
-from harness.matrix import Entry, Point
+from harness.judging import tolerance
+from harness.judging.compare import CheckResult, status_result
+from harness.judging.judge import judge, stage_checks
+from harness.judging.tolerance import Policy
 from harness.outputs import ERROR, EXCUSED, FAILED, PASSED, STAGE_MODE, STATUSES, Outputs, References
-from harness.report import markdown, record, summarise
-from harness.tolerance import Policy
+from harness.points import Entry, Point
+from harness.run import collect as collect_module
+from harness.run import report as report_module
+from harness.run.report import markdown, record, summarise
+from harness.sides import worker as worker_module
 
 # SPEC section 10: alpha 2 for forward values (and the scalar loss), 3 for gradients; float64
-# against float64 to 1e-12 relative. Here, not read from harness.tolerance: a change of these
+# against float64 to 1e-12 relative. Here, not read from harness.judging.tolerance: a change of these
 # is a change of the SPEC.
 ALPHA = {"forward": 2.0, "loss": 2.0, "grad": 3.0}
 EXACT64 = 1e-12
@@ -139,7 +139,7 @@ def test_oracle_bound_is_alpha_times_the_reference_error_at_dtype(quantity):
 @pytest.mark.parametrize("quantity", list(QUANTITIES))
 def test_oracle_floor_when_the_reference_is_exact(quantity, dtype):
     """oracle: a reference whose rounding happened to be exact (err 0) leaves the floor of the
-    entry's dtype: bound alpha * FLOOR[t][kind] (harness.tolerance.FLOOR), never 0."""
+    entry's dtype: bound alpha * FLOOR[t][kind] (harness.judging.tolerance.FLOOR), never 0."""
     mode, name, kind, scale, make = QUANTITIES[quantity]
     oracle = make(_rng(1))
     bound = ALPHA[kind] * tolerance.FLOOR[dtype][kind]
@@ -624,7 +624,7 @@ def test_exact64_at_sel_and_end_to_end_in_float64():
 # --------------------------------------------------------------------------- stage
 
 
-STAGE_CASES = {  # stage -> (scale, floor quantity (harness.judge.STAGE_FLOOR_OF) or None)
+STAGE_CASES = {  # stage -> (scale, floor quantity (harness.judging.judge.STAGE_FLOOR_OF) or None)
     "keys": ("tensor", "compressed_keys"),
     "scores": ("row", "index_scores"),
     "teacher": ("tensor", None),
@@ -717,7 +717,7 @@ PLUGIN = ("class CSAConfig(dict):\n    from_dict = classmethod(lambda cls, d: cl
           "def indexer_forward(params, inputs, cfg, dtype):\n    raise NotImplementedError\n")
 
 
-def _run_points_here(groups, reference, profile, init, jobs, timeout, on_done, started=()):
+def _run_points_here(groups, reference, profile, init, jobs, timeout, on_done, error_records, started=()):
     """The CLI's workers, in this process (so the patched evaluation below is the one run)."""
     for group in groups:
         for point, entries in group:
@@ -738,7 +738,7 @@ def test_cli_exit_code_follows_every_status(status, tmp_path, monkeypatch):
     """csa-parity run exits 1 when any check is failed or error, else 0 (passed, excused, not
     provided, not applicable), and parity.md says FAIL / PASS the same way. The matrix's
     checks are all passed but one, which has `status`."""
-    from harness import cli
+    from harness.run import cli
 
     (tmp_path / "rules_plugin.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))

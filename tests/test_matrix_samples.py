@@ -1,4 +1,4 @@
-"""The matrix's samples (harness/matrix.py): the `ci` sample that `make test` and
+"""The matrix's samples (harness/problems/matrix.py): the `ci` sample that `make test` and
 `make test312` run is a subset of the default sample that still holds every case natively in a
 narrow and a wide dtype (every dtype on half the cases), the combined chunk point of every case
 beyond the joint-teacher ones, and every value class of every chunk knob on each sweep case.
@@ -13,9 +13,10 @@ from collections import Counter
 
 import pytest
 
-from harness.cases import CASES
-from harness.matrix import (BACKENDS, CI_DTYPES, COMPRESSED_CI, DTYPES, SAMPLES, SWEEP_CASES, TEACHER_CASES, Point, build_matrix, chunk_points, combined_pair,
-                            query_chunk_sizes)
+from harness.points import DTYPES, Point
+from harness.problems.cases import CASES
+from harness.problems.matrix import (BACKENDS, CI_DTYPES, COMPRESSED_CI, SAMPLES, SWEEP_CASES, TEACHER_CASES,
+                                     build_matrix, chunk_points, combined_pair, query_chunk_sizes)
 
 NARROW, WIDE = ("bfloat16", "float16"), ("float32", "float64")
 
@@ -66,7 +67,7 @@ def test_ci_holds_the_combined_point_of_every_case_in_a_dtype_it_runs_natively()
 
 def test_a_case_without_ci_dtypes_is_one_clear_error(monkeypatch):
     monkeypatch.delitem(CI_DTYPES, "tiny")
-    with pytest.raises(ValueError, match=r"case='tiny' has no entry in harness.matrix.CI_DTYPES"):
+    with pytest.raises(ValueError, match=r"case='tiny' has no entry in harness.problems.matrix.CI_DTYPES"):
         build_matrix(sample="ci")
 
 
@@ -142,10 +143,10 @@ def test_the_compressed_teacher_runs_on_every_case(sample):
 
 
 def test_a_case_missing_from_the_compressed_ci_dtypes_is_an_error(monkeypatch):
-    from harness import matrix
+    from harness.problems import matrix
 
     monkeypatch.delitem(matrix.COMPRESSED_CI, "ragged")
-    with pytest.raises(ValueError, match=r"case='ragged' has no entry in harness.matrix.COMPRESSED_CI"):
+    with pytest.raises(ValueError, match=r"case='ragged' has no entry in harness.problems.matrix.COMPRESSED_CI"):
         build_matrix(sample="ci", teachers=["compressed"])
 
 
@@ -162,7 +163,7 @@ def test_points_name_their_teacher_and_parse_back():
 
 
 def test_the_pallas_backend_runs_its_own_small_sample():
-    """harness.matrix.BACKENDS: ci 1 point (tiny float64 natively), default 32 (every case natively in one dtype, the sweep cases in every dtype
+    """harness.problems.matrix.BACKENDS: ci 1 point (tiny float64 natively), default 32 (every case natively in one dtype, the sweep cases in every dtype
     and at the combined point in float32 and bfloat16, and ci's); joint teacher only; each
     point's native run is the XLA path at the same knobs."""
     pallas = {s: {e.point for e in build_matrix(sample=s, backends=["pallas"])} for s in SAMPLES}
@@ -183,6 +184,6 @@ def test_an_unknown_sample_is_one_clear_error():
 
 
 def test_cli_refuses_an_unknown_sample_with_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--sample", "nightly"],
+    proc = subprocess.run([sys.executable, "-m", "harness.run.cli", "run", "--sample", "nightly"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "invalid choice: 'nightly'" in proc.stderr

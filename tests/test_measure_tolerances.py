@@ -1,4 +1,4 @@
-"""scripts/measure_tolerances.py (the command harness/tolerance.py cites for its measured
+"""scripts/measure_tolerances.py (the command harness/judging/tolerance.py cites for its measured
 figures) keeps running: its CLI on the `tiny` fixture, and its CHUNK measurement on a small
 random problem with two chunk sizes. Cheap by design (a few small compiles); the full
 measurement is the script itself. It judges nothing, so neither do these tests beyond
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import tolerance
+from harness.judging import tolerance
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "measure_tolerances.py"

@@ -16,9 +16,9 @@ import functools
 import benchmarks.memory_speed as bench
 from benchmarks.memory_speed import TEST_BATCH as BATCH, TEST_SEQ as SEQ, TEST_SHAPE as SHAPE
 from benchmarks.memory_speed import analytic_floor, compiled_temp_bytes, grows_no_worse_than_linearly
-from harness import memory_bounds
-from harness.memory_bounds import within_floor_factor
-from harness.tolerance import MEMORY_FLOOR_FACTOR as FLOOR_FACTOR, MEMORY_GROWTH_SLACK
+from harness.judging import memory_bounds
+from harness.judging.memory_bounds import within_floor_factor
+from harness.judging.tolerance import MEMORY_FLOOR_FACTOR as FLOOR_FACTOR, MEMORY_GROWTH_SLACK
 from jax_impl import CSAConfig
 
 HI = SHAPE["index_n_heads"]
@@ -84,7 +84,7 @@ def test_temp_grows_no_worse_than_linearly_in_the_indexer_chunk_size():
 
 
 def test_the_benchmark_prints_the_same_bound():
-    """harness/tolerance.py holds the bound; the benchmark's PASS/FAIL column must use the same."""
+    """harness/judging/tolerance.py holds the bound; the benchmark's PASS/FAIL column must use the same."""
     assert bench.FLOOR_FACTOR == FLOOR_FACTOR
     assert bench.grows_no_worse_than_linearly is memory_bounds.grows_no_worse_than_linearly
     assert memory_bounds.grows_no_worse_than_linearly([(1, 0, 0), (2, 100, 100)])[1] == 100 / (100 * MEMORY_GROWTH_SLACK)

@@ -1,18 +1,18 @@
 """Mutation self-test: the parity matrix must catch every mistake of
-harness/mutations.py's catalogue, and pass on the unmutated code.
+harness/selftest/mutations.py's catalogue, and pass on the unmutated code.
 
 Each mutant is applied to a temporary copy of jax_impl/ (never the committed source) and
-its matrix slice runs in a process of its own that imports the copy (harness/mutation_worker.py,
+its matrix slice runs in a process of its own that imports the copy (harness/selftest/mutation_worker.py,
 forked from a server that holds jax already), judged against the fixture goldens (no torch). A surviving mutant fails its own test,
 named after it; so does a mutant killed only by checks other than the ones its entry
-expects (killed for the wrong reason). `python -m harness.mutations` prints the kill table.
+expects (killed for the wrong reason). `python -m harness.selftest.mutations` prints the kill table.
 
 Cost: one forked process per test and one compiled program per point (2-4 s); the
 workers share a JAX persistent compilation cache, so a chunking mutant reuses the clean
 native program. Measured on the 2-core machine: `pytest tests/test_mutations.py -n 2`
 ~100 s CPU (forked workers included: the fork server is reaped at session end), ~52 s wall.
 The 8 mutants beyond the committed cases each run one pinned random problem live
-against torch (harness/random_configs.py): measured 108 CPU-s for the 8 (10-13 s each). The
+against torch (harness/problems/random_configs.py): measured 108 CPU-s for the 8 (10-13 s each). The
 clean run here covers the matrix points only: the clean pass of the kernel check is
 tests/test_pallas.py::test_the_kernel_check_passes_on_the_committed_code, and of those 4 problems
 is tests/test_random_configs.py::test_pinned_problem[NAME], the same `check_problem` on the same
@@ -27,21 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.cases import CASES
-from harness.matrix import DTYPES
-from harness.random_configs import PINNED
-from harness.mutations import (
-    CATALOGUE,
-    STAGES,
-    MutationError,
-    Mutant,
-    patch_copy,
-    run_clean,
-    run_mutant,
-    run_worker,
-    slices,
-    stop_forkserver,
-)
+from harness.points import DTYPES
+from harness.problems.cases import CASES
+from harness.problems.random_configs import PINNED
+from harness.selftest.mutations import (CATALOGUE, STAGES, MutationError, Mutant, patch_copy, run_clean, run_mutant,
+                                        run_worker, slices, stop_forkserver)
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = {"exact64", "exact64@sel", "oracle", "oracle@sel", "chunk", "chunk@sel", "topk",
@@ -160,7 +150,7 @@ def test_the_committed_source_is_never_touched(tmp_path):
 
 
 def test_the_plain_subprocess_worker_imports_the_copy(tmp_path):
-    """`python -m harness.mutation_worker` (the path without a fork server): the editable
+    """`python -m harness.selftest.mutation_worker` (the path without a fork server): the editable
     install's finder must not win; the worker reports the copy it imported."""
     target = patch_copy(None, tmp_path)
     report = run_worker(tmp_path, (), memory=False, method="subprocess")

@@ -1,9 +1,9 @@
-"""Near-tie inputs: the tie-aware top-k comparison (harness.compare.topk_sets) must
+"""Near-tie inputs: the tie-aware top-k comparison (harness.judging.compare.topk_sets) must
 excuse only true boundary ties, in bfloat16 and float32, and a planted off-by-one selection
 beside a tie must still fail. Each test reports how many ties it excused (printed, and as the
 JUnit property `excused_ties`).
 
-Generators: harness/near_ties.py (hand-built score rows; whole inputs with twin blocks that
+Generators: harness/problems/near_ties.py (hand-built score rows; whole inputs with twin blocks that
 differ in the last float32 bits, ReLU-zero query rows and equal head weights).
 """
 
@@ -14,10 +14,10 @@ import pytest
 
 import jax_impl
 import torch_ref
-from harness.judge import score_tolerance
-from harness.compare import to_numpy, topk_sets
-from harness.near_ties import (boundary_tie_scores, near_tie_problem, plant_beside_tie, plant_off_by_one,
-                               true_ties_only)
+from harness.judging.compare import to_numpy, topk_sets
+from harness.judging.judge import score_tolerance
+from harness.problems.near_ties import (boundary_tie_scores, near_tie_problem, plant_beside_tie, plant_off_by_one,
+                                        true_ties_only)
 
 DTYPES = ("bfloat16", "float32")
 
@@ -69,7 +69,7 @@ def test_a_near_miss_just_beyond_the_tolerance_is_not_a_tie():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_near_tie_problem_end_to_end(dtype, request):
     """Both implementations at the dtype on inputs full of boundary ties, judged against the
-    float64 oracle with the harness's tolerance (harness.judge.score_tolerance): ties are
+    float64 oracle with the harness's tolerance (harness.judging.judge.score_tolerance): ties are
     excused (and counted), only true ties, and a planted off-by-one beside one fails."""
     params, inputs, cfg = near_tie_problem(seed=0)
     ref = {}

@@ -4,7 +4,7 @@ Off TPU every kernel here runs in Pallas interpret mode (and the report of a run
 TPU is reached by `jax.export(..., platforms=["tpu"])`, which lowers each kernel to its Mosaic
 custom call on this CPU machine without running it.
 
-1. The `kernel` check (harness.kernel_check: partial square tiles in float64, bfloat16 inputs)
+1. The `kernel` check (harness.sides.kernel_check: partial square tiles in float64, bfloat16 inputs)
    passes on the committed code: the clean pass of the mutation catalogue's kernel entries.
 2. `jax.test_util.check_grads` on the kernels' custom VJP, float64, partial tiles.
 3. Gradients of the pallas backend's scores against plain JAX autodiff of the XLA path, float32.
@@ -33,11 +33,12 @@ from jax import export
 from jax.test_util import check_grads
 
 import jax_impl
-from harness.cases import CASES
-from harness.collect import evaluate
-from harness.kernel_check import kernel_check
-from harness.matrix import Entry, Point, build_matrix
-from harness.mutations import CATALOGUE, patch_copy
+from harness.points import Entry, Point
+from harness.problems.cases import CASES
+from harness.problems.matrix import build_matrix
+from harness.run.collect import evaluate
+from harness.selftest.mutations import CATALOGUE, patch_copy
+from harness.sides.kernel_check import kernel_check
 from jax_impl import scoring
 from jax_impl.kernels import Tiles, contribution, default_tiles
 from jax_impl.validate import input_shapes, param_shapes
@@ -249,9 +250,9 @@ def test_the_kernels_as_a_stage_plugin_pass_and_a_planted_bug_names_the_stage(tm
 
 
 def test_a_report_says_the_kernels_ran_in_interpret_mode():
-    from harness.cli import platform_info
-    from harness.compare import status_result
-    from harness.report import markdown, record, summarise
+    from harness.judging.compare import status_result
+    from harness.run.cli import platform_info
+    from harness.run.report import markdown, record, summarise
 
     info = platform_info("highest", "goldens")
     assert jax.default_backend() != "tpu" and "Pallas interpret mode" in info["pallas"]
@@ -265,8 +266,8 @@ def test_a_report_says_the_kernels_ran_in_interpret_mode():
 def test_the_rerun_command_of_a_pallas_point_selects_exactly_that_point():
     import shlex
 
-    from harness.cli import build_parser
-    from harness.report import rerun_command
+    from harness.run.cli import build_parser
+    from harness.run.report import rerun_command
 
     point = Point("tiny", "float64", 2, 2, 5, backend="pallas")
     words = shlex.split(rerun_command(point, "dense"))

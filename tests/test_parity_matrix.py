@@ -1,9 +1,9 @@
-"""The parity matrix: one test per entry of harness.matrix, ids like
+"""The parity matrix: one test per entry of harness.problems.matrix, ids like
 `small-bfloat16-ichunk2-tchunk0-sparse-grad.indexer.wq_b`.
 
 One pass from the id to the arrays: `collect` runs the implementation and the reference
-at the entry's point (harness.implementations, cached per process), `judge` compares the
-arrays it is handed (harness.judge). Failed (or errored) fails the test, and its message ends with the `csa-parity run` command
+at the entry's point (harness.sides.implementations, cached per process), `judge` compares the
+arrays it is handed (harness.judging.judge). Failed (or errored) fails the test, and its message ends with the `csa-parity run` command
 that reruns the entry's point; passed and excused pass;
 an entry wholly not provided or not applicable skips with its reason (pytest counts and
 lists it: never passed, never silently dropped).
@@ -14,7 +14,7 @@ point once and computes the torch reference for a case once.
 Reference: live torch_ref by default; CSA_PARITY_REFERENCE=goldens judges
 against the fixture goldens (the JAX-only mode, no torch needed).
 Precision: CSA_PARITY_PRECISION=highest (default) or default, the JAX matmul
-precision and the tolerance profile (harness/tolerance.py) together.
+precision and the tolerance profile (harness/judging/tolerance.py) together.
 Sample: CSA_PARITY_SAMPLE=default (the default: what `csa-parity run` runs), ci (what
 `make test` runs: a subset, docs/matrix.md says which) or full. Both scoring backends: the
 pallas backend's own sample of points (`csa-parity run --backends xla,pallas`) on top.
@@ -26,11 +26,11 @@ import os
 
 import pytest
 
-from harness.collect import collect, policy
-from harness.judge import judge
-from harness.matrix import BACKENDS, SAMPLES, build_matrix
+from harness.judging.judge import judge
 from harness.outputs import NOT_APPLICABLE, NOT_PROVIDED
-from harness.report import failure_text
+from harness.problems.matrix import BACKENDS, SAMPLES, build_matrix
+from harness.run.collect import collect, policy
+from harness.run.report import failure_text
 
 REFERENCE = os.environ.get("CSA_PARITY_REFERENCE", "live")
 PROFILE = os.environ.get("CSA_PARITY_PRECISION", "highest")  # conftest sets JAX's matmul precision to match

@@ -9,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import collect, implementations, platforms, report, tolerance
-from harness.compare import CheckResult, status_result
-from harness.matrix import DTYPES, build_matrix
+from harness import platforms
+from harness.judging import tolerance
+from harness.judging.compare import CheckResult, status_result
 from harness.outputs import NOT_APPLICABLE, PASSED
+from harness.points import DTYPES
+from harness.problems.matrix import build_matrix
+from harness.run import collect, report
+from harness.sides import implementations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,7 +128,7 @@ def test_reduction_floors_grow_as_sqrt_n_unit_roundoffs():
 
 
 def test_platforms_command_prints_the_table_and_the_tpu_selection():
-    out = subprocess.run([sys.executable, "-m", "harness.platforms", "--backend", "tpu"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "harness.run.platform_table", "--backend", "tpu"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "tpu      no       yes" in out.stdout

@@ -228,7 +228,7 @@ def test_fp4_visibly_changes_the_top_k_of_the_packed_case():
     picks other blocks than the same problem unquantized for 7 of its 107 queries with a valid
     block (measured), so a candidate that scores unquantized values fails its topk check."""
     import torch_ref
-    from harness.fixtures import load_case
+    from harness.problems.fixtures import load_case
 
     problem = load_case("quant_packed")
     picks = {}

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from cli_run import run_cli
-from harness.collect import evaluate
-from harness.matrix import DTYPES, Entry, Point
 from harness.outputs import STAGE_MODE, stage_quantities
+from harness.points import DTYPES, Entry, Point
+from harness.run.collect import evaluate
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.torch

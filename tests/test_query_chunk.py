@@ -17,7 +17,7 @@ bundle, worst over the points and the three modes, from `_differences`):
     fusion, not the blocking; through the entry points (S=40) blocking alone moved float32
     scores by 4.3e-8 at r = 16, 7, 1 and by 0 at r >= S: a block's query projection is a
     [B*r, R] GEMM, native's [B*S, R], and XLA:CPU blocks them differently (the head-chunk
-    story of harness/tolerance.py CHUNK).
+    story of harness/judging/tolerance.py CHUNK).
   loss: float32 2.2e-7, bfloat16 2.4e-7, float64 6.5e-16 (the rows' KL terms inherit the
     scores' last bits; the global sum runs over [nb, B, r] instead of [B, S]).
   gradients: float32 6.8e-7, float64 1.5e-15: the scan sums each block's contribution, a
@@ -27,7 +27,7 @@ bundle, worst over the points and the three modes, from `_differences`):
     weights_proj 4.0e-3 (0.5 ulp(bf16)): they are cast to bfloat16 inside each block, so
     each block's partial gradient is rounded to bfloat16 at that cast before the float32 sum
     over the blocks, where native rounds the whole sum once.
-Every comparison is asserted at the existing tight chunk bound (harness/tolerance.py CHUNK,
+Every comparison is asserted at the existing tight chunk bound (harness/judging/tolerance.py CHUNK,
 the same bound head chunking meets; all of the above are below it).
 """
 
@@ -43,8 +43,8 @@ import pytest
 
 import jax_impl
 import torch_ref
-from harness.compare import compare_close, exactly_zero, to_numpy, topk_sets
-from harness.tolerance import chunk_bound
+from harness.judging.compare import compare_close, exactly_zero, to_numpy, topk_sets
+from harness.judging.tolerance import chunk_bound
 
 from problems import SMALL, random_problem
 

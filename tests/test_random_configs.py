@@ -1,6 +1,6 @@
 """Random whole problems, property-based: every config field, shape and layout the
 fixed catalogue cannot reach, float64 JAX vs float64 torch at the exactness bound and chunked
-vs native at the chunk bound, forward, loss and gradients (harness/random_configs.py judges).
+vs native at the chunk bound, forward, loss and gradients (harness/problems/random_configs.py judges).
 
 Profiles (HYPOTHESIS_PROFILE, default `ci`):
   ci       derandomised (the same examples on every run and machine), CI_EXAMPLES examples
@@ -10,12 +10,12 @@ Profiles (HYPOTHESIS_PROFILE, default `ci`):
 
 A failing example prints the problem as one line of JSON (config, sizes, documents, data seed,
 low dtype) and two commands that rerun exactly it:
-  python -m harness.random_configs --repro '<json>'
+  python -m harness.problems.random_configs --repro '<json>'
   pytest tests/test_random_configs.py --repro '<json>'
 
 Cost: every example compiles 2 programs per JAX configuration and dtype (forward, loss and
 gradients), 2-8 in all: about 1 CPU-second each on this project's CPUs (a few ms of
-arithmetic: the shapes are tiny). The pinned problems (harness.random_configs.PINNED) run as
+arithmetic: the shapes are tiny). The pinned problems (harness.problems.random_configs.PINNED) run as
 tests of their own, so xdist spreads them.
 """
 
@@ -30,9 +30,9 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is a dev depen
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from harness.cases import CONFIG_FIELDS  # noqa: E402
-from harness.matrix import divisors  # noqa: E402  (the harness's one divisor rule)
-from harness.random_configs import PINNED, Problem, check_problem  # noqa: E402
+from harness.problems.cases import CONFIG_FIELDS  # noqa: E402
+from harness.problems.matrix import divisors  # noqa: E402  (the harness's one divisor rule)
+from harness.problems.random_configs import PINNED, Problem, check_problem  # noqa: E402
 
 # 8 in CI (4 dense, 4 sparse): with the window, the sink and YaRN an example compiles larger
 # programs (the dense test's 6 took 280 s of the side process, CI's critical path); the
@@ -136,8 +136,8 @@ def test_random_problem(sparse, data):
 
 @pytest.mark.parametrize("name", list(PINNED))
 def test_pinned_problem(name, request):
-    """The pinned problems (harness.random_configs.PINNED): value classes no committed case has,
-    and the mutants of harness/mutations.py that need them."""
+    """The pinned problems (harness.problems.random_configs.PINNED): value classes no committed case has,
+    and the mutants of harness/selftest/mutations.py that need them."""
     _judge(PINNED[name], request)
 
 
@@ -153,7 +153,7 @@ def test_a_problem_round_trips_through_its_reproducer():
     p = PINNED["m3_prime_heads_packed"]
     again = Problem.from_json(p.to_json())
     assert again == p and again.to_json() == p.to_json()
-    assert p.repro().startswith("python -m harness.random_configs --repro '{")
+    assert p.repro().startswith("python -m harness.problems.random_configs --repro '{")
     assert "\n" not in p.repro()
     with pytest.raises(ValueError, match=r"unknown problem key\(s\) \['bogus'\]"):
         Problem.from_json('{"bogus": 1}')
@@ -161,7 +161,7 @@ def test_a_problem_round_trips_through_its_reproducer():
 
 def test_the_reproducer_reports_a_failure(monkeypatch):
     """A failing problem's summary carries the reproducer (the judge is broken on purpose)."""
-    import harness.random_configs as rc
+    import harness.problems.random_configs as rc
 
     real = rc.compare_close
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.cases import CASES
-from harness.cli import selection_lines
-from harness.compare import CheckResult
-from harness.matrix import Entry, Point, build_matrix
-from harness.report import (RERUN, attach_reruns, error_lines, failure_lines, failure_text, markdown, record,
-                            rerun_command, summarise)
+from harness.judging.compare import CheckResult
+from harness.points import Entry, Point
+from harness.problems.cases import CASES
+from harness.problems.matrix import build_matrix
+from harness.run.cli import selection_lines
+from harness.run.report import (RERUN, attach_reruns, error_lines, failure_lines, failure_text, markdown, record,
+                                rerun_command, summarise)
 
 ROOT = Path(__file__).resolve().parent.parent
 WRONG = "plugins.wrong_at_one_point:make_impl"
@@ -33,11 +34,11 @@ def _env():
 
 def _argv(command: str) -> list[str]:
     """The printed command as a user runs it: `csa-parity` is the console script installed beside
-    this interpreter (else the same entry point through `python -m harness.cli`)."""
+    this interpreter (else the same entry point through `python -m harness.run.cli`)."""
     words = shlex.split(command)
     assert words[:2] == ["csa-parity", "run"], command
     script = Path(sys.executable).with_name("csa-parity")
-    return ([str(script)] if script.exists() else [sys.executable, "-m", "harness.cli"]) + words[1:]
+    return ([str(script)] if script.exists() else [sys.executable, "-m", "harness.run.cli"]) + words[1:]
 
 
 def test_the_command_names_the_point_and_every_option_that_changes_its_outcome(monkeypatch):
@@ -50,10 +51,10 @@ def test_the_command_names_the_point_and_every_option_that_changes_its_outcome(m
         "--teachers joint --impl pkg.mod:make --reference goldens --precision default --timeout 30")
     assert "--teachers compressed" in rerun_command(Point("tiny", "float64", teacher="compressed"), "dense")
     # a case that held one teacher: --teachers would change nothing
-    import harness.cases
+    import harness.problems.cases
 
     one = dataclasses.replace(CASES["ragged"], teachers=("joint",))
-    monkeypatch.setattr(harness.cases, "CASES", {**CASES, "ragged": one})
+    monkeypatch.setattr(harness.problems.cases, "CASES", {**CASES, "ragged": one})
     assert "--teachers" not in rerun_command(ragged, "dense")
     # fixtures from another directory: the variable the CLI reads them from, before the command
     assert rerun_command(Point("ragged", "float32"), "dense", fixtures_dir="/tmp/my fx").startswith(
@@ -109,7 +110,7 @@ def test_a_matrix_tests_failure_message_ends_with_the_same_command():
 def test_the_printed_command_reproduces_exactly_the_planted_failure(tmp_path):
     """A plug-in wrong at indexer chunk 2 only: of three points, one fails. Its FAIL line's
     command, run as printed, runs that point alone and fails exactly the same checks."""
-    sweep = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--cases", "tiny", "--dtypes", "float32",
+    sweep = subprocess.run([sys.executable, "-m", "harness.run.cli", "run", "--cases", "tiny", "--dtypes", "float32",
                             "--ichunks", "0,1,2", "--tchunks", "0", "--qchunks", "0", "--modes", "forward",
                             "--impl", WRONG, "--out", str(tmp_path / "sweep"), "--no-progress", "--jobs", "1"],
                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
@@ -139,7 +140,7 @@ def test_the_printed_command_reproduces_exactly_the_planted_failure(tmp_path):
 
 def test_list_prints_the_selection_and_runs_nothing(tmp_path):
     out = tmp_path / "never"
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", "--cases", "tiny,small",
+    proc = subprocess.run([sys.executable, "-m", "harness.run.cli", "run", "--list", "--cases", "tiny,small",
                            "--dtypes", "float32,bfloat16", "--out", str(out)],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -161,7 +162,7 @@ def test_list_counts_the_native_points_chunk_checks_need():
 
 
 def test_list_counts_two_programs_at_a_point_of_a_quantized_case():
-    """One on the float64 oracle's codes, one on the implementation's own (harness.matrix.programs_at)."""
+    """One on the float64 oracle's codes, one on the implementation's own (harness.problems.matrix.programs_at)."""
     entries = build_matrix(["quant_planted"], ["float32"], ichunks=[0], tchunks=[0], qchunks=[0], teachers=["joint"])
     assert selection_lines(entries, "default")[-1] == (
         "compiled programs: 2 (1 points, one program each, two on the 1 points of quantized cases (their own codes "

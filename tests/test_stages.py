@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from cli_run import run_cli
-from harness.collect import evaluate
-from harness.matrix import Entry, Point
+from harness.points import Entry, Point
+from harness.run.collect import evaluate
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.torch

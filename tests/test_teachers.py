@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.cases import CASES
-from harness.collect import evaluate
-from harness.matrix import Entry, Point, build_matrix
+from harness.points import Entry, Point
+from harness.problems.cases import CASES
+from harness.problems.matrix import build_matrix
+from harness.run.collect import evaluate
 
 pytestmark = pytest.mark.torch
 

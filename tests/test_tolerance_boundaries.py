@@ -1,6 +1,6 @@
-"""Every number of harness/tolerance.py at its boundary, the cases produced from the table itself.
+"""Every number of harness/judging/tolerance.py at its boundary, the cases produced from the table itself.
 
-`harness.tolerance.entries()` lists every number that decides a verdict (it walks the module, so
+`harness.judging.tolerance.entries()` lists every number that decides a verdict (it walks the module, so
 a number added there is listed without being registered anywhere). For each one this file has:
 
 - its value, pinned in PINS: a change of a number is a change of policy, and is made here too;
@@ -20,7 +20,7 @@ makes that no case reaches fails `test_every_check_the_judge_makes_has_a_boundar
 check the cases reach must also fail on a NaN and on a changed -inf pattern
 (`test_nan_and_minus_inf_fail_in_every_check`).
 
-harness.judge_mutations loosens each number 10x in a copy of harness/ (the mutant
+harness.selftest.judge_mutations loosens each number 10x in a copy of harness/ (the mutant
 `x10_<number>`) and runs its boundary test there; docs/judging.md's table of guarantees lists
 every number with its cases, its test and its mutant (`make figures` writes it;
 `test_the_guarantees_table_is_current` keeps it so).
@@ -38,17 +38,17 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from harness import tolerance
-from harness.compare import CheckResult
-from harness.judge import judge, stage_checks
-from harness.matrix import Entry, Point
+from harness.judging import tolerance
+from harness.judging.compare import CheckResult
+from harness.judging.judge import judge, stage_checks
+from harness.judging.tolerance import Policy
 from harness.outputs import STAGE_MODE, Outputs, References
-from harness.tolerance import Policy
+from harness.points import Entry, Point
 
 ROOT = Path(__file__).resolve().parent.parent
 BELOW, ABOVE = 0.9, 1.1
 
-# The numbers as reviewed. harness/tolerance.py gives each its reason; a change there is made here
+# The numbers as reviewed. harness/judging/tolerance.py gives each its reason; a change there is made here
 # too, or its boundary test fails.
 PINS = {
     "ALPHA.forward": 2.0, "ALPHA.loss": 2.0, "ALPHA.grad": 3.0,
@@ -139,7 +139,7 @@ QUANTITIES = {
     "loss": [("loss", "loss.dense", "tensor", lambda r: np.float64(0.7316))],
     "grad": [("grad.indexer.wq_b", "grad.dense.indexer.wq_b", "tensor", lambda r: r.standard_normal((8, 5)))],
 }
-# The problem sizes of the floors that scale with the reduction (harness.tolerance.reduction_length),
+# The problem sizes of the floors that scale with the reduction (harness.judging.tolerance.reduction_length),
 # and each quantity's n from SPEC-level definitions of its sums.
 DIMS = {"B": 2, "S": 16, "W": 8, "HI": 8, "DI": 32, "R": 64, "E": 96, "m": 4}
 REDUCTION = {"index_scores": DIMS["HI"] * DIMS["DI"] + DIMS["R"] + DIMS["E"],
@@ -261,7 +261,7 @@ def _sel_case(check, dtype, kind, bound, t_err=0.05):
 # --------------------------------------------------------------------------- stages
 
 def _stage_case(dtype, stage, t_err, bound, dims=None):
-    """The first-diverging-stage diagnosis (harness.judge.stage_checks): the forward oracle rule."""
+    """The first-diverging-stage diagnosis (harness.judging.judge.stage_checks): the forward oracle rule."""
     scale = "row" if stage == "scores" else "tensor"
     oracle = _scores(_rng(9)) if scale == "row" else _rng(9).standard_normal((2, 6, 4))
     torch_t = _bump(oracle, t_err, (0,) * oracle.ndim, scale) if t_err else oracle
@@ -332,10 +332,10 @@ def _topk_case(dtype, t_err, bound, dims=None, check="topk"):
 
 
 def _kernel_case(dtype, bound):
-    """The `kernel` check (harness.kernel_check.judge_kernel) on hand-made arrays: float64 outputs
+    """The `kernel` check (harness.sides.kernel_check.judge_kernel) on hand-made arrays: float64 outputs
     at EXACT64, the bfloat16 forward at KERNEL_BF16_FORWARD (normwise)."""
     def run(err, spoil):
-        from harness.kernel_check import NAMES64, judge_kernel
+        from harness.sides.kernel_check import NAMES64, judge_kernel
 
         rng = _rng(11)
         want64 = {n: rng.standard_normal((2, 5, 4)) for n in NAMES64}
@@ -365,19 +365,19 @@ def _isolation_case(bound):
 
 
 def _raw(x):
-    from harness.fixtures import RawTensor
+    from harness.problems.fixtures import RawTensor
 
     x = np.asarray(x, np.float64)
     return RawTensor("F64", tuple(x.shape), x.astype("<f8").tobytes())
 
 
 def _fixture_case(dtype, bound):
-    """fixtures --check (harness.regenerate.compare_tensor): a regenerated golden within
+    """fixtures --check (harness.run.regenerate.compare_tensor): a regenerated golden within
     rtol * max |committed| of the committed one (normwise, -inf / NaN patterns exact)."""
     name = f"golden.{dtype}.grad.dense.indexer.wq_b"
 
     def run(err, spoil):
-        from harness.regenerate import compare_tensor
+        from harness.run.regenerate import compare_tensor
 
         old = _rng(12).standard_normal((8, 5))
         msg = compare_tensor(name, _raw(old), _raw(_spoil(_bump(old, err), spoil)), {}, {})
@@ -390,7 +390,7 @@ def _fixture_topk_case(dtype, bound):
     """fixtures --check on the top-k picks: a swap excused within rtol * max |committed row| of the
     k-th score (the judge's tie rule)."""
     def run(gap, spoil):
-        from harness.regenerate import compare_tensor
+        from harness.run.regenerate import compare_tensor
 
         scores, swapped = _topk_scores(gap)
         name = f"golden.{dtype}.topk_indices"
@@ -404,7 +404,7 @@ def _fixture_topk_case(dtype, bound):
 def _orderr_case(direction, bound):
     """fixtures --check on a stored order error: old and new within a factor of each other."""
     def run(ratio, spoil):
-        from harness.regenerate import compare_tensor
+        from harness.run.regenerate import compare_tensor
 
         old = 1e-7
         new = old * ratio if direction == "up" else old / ratio if ratio else 0.0
@@ -417,7 +417,7 @@ def _orderr_case(direction, bound):
 
 def _memory_floor_case(bound):
     def run(ratio, spoil):
-        from harness.memory_bounds import within_floor_factor
+        from harness.judging.memory_bounds import within_floor_factor
 
         ok, got = within_floor_factor(ratio * 2**20, 2**20)
         return Verdict(ok, None, f"held {got:.4g} x the analytic floor")
@@ -427,9 +427,9 @@ def _memory_floor_case(bound):
 
 def _memory_growth_case(which, bound):
     """The per-head slope of temp memory against the larger of the floor's own slope and every
-    earlier measured slope (harness.memory_bounds.grows_no_worse_than_linearly)."""
+    earlier measured slope (harness.judging.memory_bounds.grows_no_worse_than_linearly)."""
     def run(ratio, spoil):
-        from harness.memory_bounds import grows_no_worse_than_linearly
+        from harness.judging.memory_bounds import grows_no_worse_than_linearly
 
         mib = 2.0**20
         if which == "floor slope":  # one step: the floor's slope decides
@@ -544,7 +544,7 @@ BUILDERS: dict[str, Callable[[tuple], list[Case]]] = {
 
 
 def cases_of(number: str, keys: tuple) -> list[Case]:
-    """The boundary cases of one number of harness.tolerance.entries()."""
+    """The boundary cases of one number of harness.judging.tolerance.entries()."""
     builder = BUILDERS.get(keys[0])
     if builder is None:
         raise KeyError(f"the table {keys[0]} has no builder in BUILDERS")
@@ -568,7 +568,7 @@ def missing(number: str, keys: tuple) -> str | None:
         lacks.append(f"no boundary case ({e.args[0]})")
     if not lacks:
         return None
-    return (f"harness/tolerance.py {number}: {'; '.join(lacks)} (tests/test_tolerance_boundaries.py: pin it and "
+    return (f"harness/judging/tolerance.py {number}: {'; '.join(lacks)} (tests/test_tolerance_boundaries.py: pin it and "
             "give its table's builder a case for every check, dtype and kind it decides)")
 
 
@@ -586,14 +586,14 @@ def boundary_problems(number: str) -> list[str]:
     """Every way `number`'s boundary cases fail, one line each, starting with the number's name
     (the number's own name first, then the case), and a last line counting the failing cases."""
     if number not in ENTRIES:
-        return [f"harness/tolerance.py {number}: pinned in PINS but no longer a number of harness/tolerance.py "
+        return [f"harness/judging/tolerance.py {number}: pinned in PINS but no longer a number of harness/judging/tolerance.py "
                 "(remove its pin, or restore it)"]
     line = missing(number, ENTRIES[number])
     if line:
         return [line]
     cases = cases_of(number, ENTRIES[number])
     value = dict((n, v) for n, _, v in tolerance.entries())[number]
-    where = f"harness/tolerance.py has {number} = {value:.6g}, pinned {PINS[number]:.6g}"
+    where = f"harness/judging/tolerance.py has {number} = {value:.6g}, pinned {PINS[number]:.6g}"
     out, failing = [], 0
     for case in cases:
         before = len(out)
@@ -619,10 +619,10 @@ def boundary_problems(number: str) -> list[str]:
 
 
 def test_every_number_has_a_pin_and_a_boundary_case():
-    """Enumerated from the table: a number, a dtype or a kind added to harness/tolerance.py without
+    """Enumerated from the table: a number, a dtype or a kind added to harness/judging/tolerance.py without
     a pin and a boundary case fails here, one line each."""
     lines = [line for number, keys in ENTRIES.items() if (line := missing(number, keys))]
-    lines += [f"harness/tolerance.py {n}: pinned in PINS but no longer a number of harness/tolerance.py"
+    lines += [f"harness/judging/tolerance.py {n}: pinned in PINS but no longer a number of harness/judging/tolerance.py"
               for n in sorted(set(PINS) - set(ENTRIES))]
     assert not lines, "\n".join(lines)
 
@@ -710,8 +710,8 @@ def test_every_check_the_judge_makes_has_a_boundary_case():
 # --------------------------------------------------------------------------- docs/judging.md's table of guarantees
 
 DOC = ROOT / "docs" / "judging.md"
-BEGIN = ("<!-- guarantees: written by `make figures` (scripts/figures.py) from harness/tolerance.py, "
-         "tests/test_tolerance_boundaries.py and harness/judge_mutations.py; do not edit by hand -->")
+BEGIN = ("<!-- guarantees: written by `make figures` (scripts/figures.py) from harness/judging/tolerance.py, "
+         "tests/test_tolerance_boundaries.py and harness/selftest/judge_mutations.py; do not edit by hand -->")
 END = "<!-- end of guarantees -->"
 
 
@@ -725,8 +725,8 @@ def _applies(cases: list[Case]) -> str:
 
 
 def guarantees_table() -> str:
-    """The generated block of docs/judging.md: one row per number of harness/tolerance.py."""
-    from harness.judge_mutations import number_mutant_name
+    """The generated block of docs/judging.md: one row per number of harness/judging/tolerance.py."""
+    from harness.selftest.judge_mutations import number_mutant_name
 
     rows = ["| number | value | decides (check (kind): dtypes) | boundary test | mutant (10x looser) |",
             "|---|---|---|---|---|"]

@@ -7,7 +7,7 @@ Equality: a traced call runs the same math as the concrete one, but an outer
 transformation hands XLA another program (jit(grad(loss)) is not loss_and_grads' program,
 vmap batches every GEMM), and XLA may fuse and block its float32 sums differently. So
 every float comparison allows float32 summation order, RTOL = 1e-6 of the largest
-magnitude of the tensor (the chunk-vs-native bound of harness/tolerance.py is of the same
+magnitude of the tensor (the chunk-vs-native bound of harness/judging/tolerance.py is of the same
 kind, 1e-5 forward / 4e-6 gradients); measured worst over this file: 2.9e-7 (vmap). Top-k indices
 and the -inf pattern are compared exactly, input gradients are exactly zero.
 """

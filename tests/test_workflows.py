@@ -91,7 +91,7 @@ def test_tpu_commands(tpu):
     assert job["env"]["JAX_PLATFORMS"] == "tpu"
     runs = {s["id"]: s["run"] for s in _run_steps(job)}
     assert "-c constraints.txt -e '.[tpu,reference]'" in runs["install"]
-    assert "python -m harness.platforms" in runs["platform"]
+    assert "python -m harness.run.platform_table" in runs["platform"]
     assert 'torch==2.13.0+cpu' in runs["install"]
     assert "scripts/regenerate_fixtures.py --check" in runs["check"]
     assert re.search(r'python -m pytest -n "\$PYTEST_WORKERS" --junitxml=', runs["matrix"])
@@ -227,7 +227,7 @@ def _cpu_env(job: dict, tmp_path: Path) -> dict[str, str]:
 def test_tpu_step_runs_on_cpu(step, tmp_path):
     if step["id"] in NOT_EXECUTED:
         pytest.skip(f"step {step['id']!r} is only syntax-checked here (it would install into this venv)")
-    if step["id"] == "report" and importlib.util.find_spec("harness.cli") is None:
+    if step["id"] == "report" and importlib.util.find_spec("harness.run.cli") is None:
         pytest.skip("csa-parity CLI not available")
     job = _job(_load(TPU))
     env = _cpu_env(job, tmp_path)

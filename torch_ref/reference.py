@@ -384,7 +384,7 @@ def _loss(p, leaves, pos, seg, cfg, dtype_t, wide, selection, codes=None):
 
 def forward_stages(params, inputs, cfg: CSAConfig, dtype: str, selection=None) -> dict[str, torch.Tensor]:
     """The forward intermediates in data-flow order (the first-diverging-stage diagnosis,
-    harness.judge.first_divergence): pooled, keys, queries, head_weights, scores, teacher,
+    harness.judging.judge.first_divergence): pooled, keys, queries, head_weights, scores, teacher,
     student. The teacher and student are those of `cfg.sparse_loss` (with `selection`)."""
     with torch.no_grad():
         p, leaves, pos, seg, dtype_t, wide = _prepare(params, inputs, cfg, dtype, teacher=True)

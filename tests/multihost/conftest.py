@@ -1,4 +1,4 @@
-"""The two-process slice: tests/multihost starts `python -m harness.multihost --local 2` (two
+"""The two-process slice: tests/multihost starts `python -m harness.run.multihost --local 2` (two
 processes of 4 simulated CPU devices each, one program over the 8) and judges what they wrote.
 
 It runs in a pytest process of its own, by name and marker (the Makefile's `test` target):

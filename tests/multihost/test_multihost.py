@@ -1,7 +1,7 @@
-"""The sequence-sharded points across two real processes: `python -m harness.multihost --local 2
+"""The sequence-sharded points across two real processes: `python -m harness.run.multihost --local 2
 --devices-per-process 4` runs each point as ONE program over the 8 CPU devices of two processes
 (jax.distributed on loopback, gloo collectives), then `--judge` judges every entry of it with
-harness.collect's code: against the float64 oracle goldens by the matrix's rule, and against the
+harness.run.collect's code: against the float64 oracle goldens by the matrix's rule, and against the
 same knobs on one device at the tight `chunk` bound. Plus the launcher's failure paths: a peer
 killed mid-run and a run past its deadline end in exit code 124 and one line, never a hang.
 
@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.fixtures import read_safetensors, write_safetensors
-from harness.matrix import Point, entries_at
-from harness.multihost import BUNDLE_SUFFIX, bundle_path
+from harness.points import Point
+from harness.problems.fixtures import read_safetensors, write_safetensors
+from harness.problems.matrix import entries_at
+from harness.run.multihost import BUNDLE_SUFFIX, bundle_path
 
 pytestmark = pytest.mark.multihost
 
@@ -57,7 +58,7 @@ DEADLINE = 300
 
 
 def _multihost(*args, timeout=DEADLINE + 60, **kw):
-    return subprocess.run([sys.executable, "-m", "harness.multihost", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "harness.run.multihost", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, **kw)
 
 
@@ -128,7 +129,7 @@ def test_a_killed_peer_stops_the_run_with_124(tmp_path):
     wait in a collective until the heartbeat timeout), exits 124 and says which process died of
     what, at which stage."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "harness.multihost", "--local", "2", "--devices-per-process", "4", "--out",
+        [sys.executable, "-m", "harness.run.multihost", "--local", "2", "--devices-per-process", "4", "--out",
          str(tmp_path), "--deadline", str(DEADLINE), "--point", POINTS[0]],
         cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
@@ -192,4 +193,4 @@ def test_judging_a_directory_without_bundles_is_a_user_error(tmp_path):
     proc = _multihost("--judge", str(tmp_path), timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (f"multihost: --judge {str(tmp_path)!r}: no *{BUNDLE_SUFFIX} there (python -m "
-                                   "harness.multihost --out writes them)")
+                                   "harness.run.multihost --out writes them)")

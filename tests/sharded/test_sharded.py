@@ -4,8 +4,8 @@ the fixtures (the matrix rule), forward and gradients, plus the mesh-split error
 
 Runs in its own process (see conftest.py): `python -m pytest tests/sharded -n 0`.
 
-Bounds. float64: 1e-12 (harness.tolerance.EXACT64) against single-device and the oracle.
-float32 against single-device: harness.tolerance.chunk_bound, the chunked-vs-native table,
+Bounds. float64: 1e-12 (harness.judging.tolerance.EXACT64) against single-device and the oracle.
+float32 against single-device: harness.judging.tolerance.chunk_bound, the chunked-vs-native table,
 because a mesh changes exactly what head chunking changes and nothing more: a projection of
 a slice of the columns (wq_b / weights_proj by head) or of the rows (the batch, the sequence)
 may take another GEMM blocking and differ in the last bit, and every head sum (scores and
@@ -19,7 +19,7 @@ entries, AVX2 CPU; the run prints these figures at its end):
 The float32 CHUNK bounds (fwd 1e-5, loss 2e-6, grad 4e-6) sit 4-7x above the worst (keys 56x):
 tight (a psum that dropped or doubled a device's share moves a result by O(1/M)), with room
 for another CPU's GEMM blocking. Each entry goes the parity matrix's one way, collect -> judge
-(harness.collect): the sharded run is an implementation's output at a point whose mesh is
+(harness.run.collect): the sharded run is an implementation's output at a point whose mesh is
 data, its `native` reference the same chunks on one device (the judge's `chunk` checks, the
 CHUNK bound above), and against the oracle goldens it is judged exactly as the matrix judges
 single-device JAX: float32 err <= ALPHA[kind] * max(err(torch float32 golden), floor(dtype,
@@ -43,14 +43,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_impl
-from harness.cases import CASES
-from harness.collect import evaluate
-from harness.compare import compare_close, to_numpy
-from harness.fixtures import load_case
-from harness.matrix import Point as HPoint
-from harness.matrix import entries_at, seq_split_reason
-from harness.report import column_of, failure_text
-from harness.tolerance import EXACT64, chunk_bound
+from harness.judging.compare import compare_close, to_numpy
+from harness.judging.tolerance import EXACT64, chunk_bound
+from harness.points import Point as HPoint
+from harness.problems.cases import CASES
+from harness.problems.fixtures import load_case
+from harness.problems.matrix import entries_at, seq_split_reason
+from harness.run.collect import evaluate
+from harness.run.report import column_of, failure_text
 from jax_impl import sharded
 
 pytestmark = pytest.mark.sharded

@@ -1,15 +1,15 @@
 """Mutation self-test of the judge: does the suite notice when a rule of the judge goes soft?
 
-harness/mutations.py plants mistakes in jax_impl and asks the parity matrix to catch them. This
+harness/selftest/mutations.py plants mistakes in jax_impl and asks the parity matrix to catch them. This
 module does the same for the harness itself: `CATALOGUE` is data, one `HarnessMutant` per single
-mistake a person could make in the judging code (harness/judge.py, compare.py, tolerance.py,
+mistake a person could make in the judging code (harness/judging/judge.py, compare.py, tolerance.py,
 collect.py, report.py, cli.py), with the exact source text it replaces (which must occur exactly
 once: a stale catalogue fails loudly, it never silently tests nothing) and the test of the suite
 that must catch it (`killing_test`, a pytest node id; the rules and their tests:
 tests/test_judge_rules.py, the table of them: docs/judging.md).
 
 `NUMBER_CATALOGUE` is derived, not written: one `x10_<number>` mutant per number of
-harness/tolerance.py (`tolerance.entries()`), that number reassigned 10x looser at the end of
+harness/judging/tolerance.py (`tolerance.entries()`), that number reassigned 10x looser at the end of
 the copy's tolerance.py, killed by its boundary test in tests/test_tolerance_boundaries.py.
 
 The committed source is never touched: `patch_copy` copies harness/ into a temporary directory
@@ -26,8 +26,8 @@ core on this project's 2-core machine, some 40 CPU-seconds for the catalogue and
 The number mutants share one process (`run_numbers`: each a fresh import of its own copy), a
 few seconds for all of them.
 
-    python -m harness.judge_mutations                              # every mutant; prints the kill table
-    python -m harness.judge_mutations --only NAME,x10_EXACT64      # some of them
+    python -m harness.selftest.judge_mutations                              # every mutant; prints the kill table
+    python -m harness.selftest.judge_mutations --only NAME,x10_EXACT64      # some of them
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ from pathlib import Path
 
 from .mutations import MutationError, apply_edits, select
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "harness"
 RULES = "tests/test_judge_rules.py"
 
 # The kinds of mistake the catalogue must hold at least one of (tests/test_judge_mutations.py).
 KINDS = ("scale", "bound", "verdict", "reference", "nan", "tie", "exit", "excuse")
 # The modules the judging runs through (the mistakes live there).
-MODULES = ("judge.py", "compare.py", "tolerance.py", "collect.py", "report.py", "cli.py")
+MODULES = ("judging/judge.py", "judging/compare.py", "judging/tolerance.py", "run/collect.py", "run/report.py", "run/cli.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _rules(test: str) -> str:
 CATALOGUE: tuple[HarnessMutant, ...] = (
     # ------------------------------------------------------------------- scale of the normalisation
     HarnessMutant(
-        "scores_scaled_by_whole_tensor", "scale", "judge.py",
+        "scores_scaled_by_whole_tensor", "scale", "judging/judge.py",
         '    return "row" if quantity in ("index_scores", "stage.scores", "scores") else "tensor"',
         '    return "tensor"',
         _rules("test_scores_are_judged_per_query_row_oracle"), "per-row scale of scores",
@@ -96,14 +96,14 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "query whose scores are small is judged 10-10^4 times more loosely",
     ),
     HarnessMutant(
-        "row_scale_over_the_query_axis", "scale", "compare.py",
+        "row_scale_over_the_query_axis", "scale", "judging/compare.py",
         "        denom = np.max(mag, axis=-1, keepdims=True)",
         "        denom = np.max(mag, axis=-2, keepdims=True)",
         _rules("test_scores_are_judged_per_query_row_chunk"), "per-row scale of scores",
         "the per-row scale taken over the wrong axis (each block's largest score over the queries)",
     ),
     HarnessMutant(
-        "reference_error_scaled_by_whole_tensor", "scale", "compare.py",
+        "reference_error_scaled_by_whole_tensor", "scale", "judging/compare.py",
         "normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)",
         "normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle))",
         _rules("test_a_small_rows_reference_error_counts_per_row"), "per-row scale of scores",
@@ -111,7 +111,7 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "the baseline shrinks where the reference's error sits in a small row",
     ),
     HarnessMutant(
-        "tie_window_scaled_by_whole_tensor", "scale", "judge.py",
+        "tie_window_scaled_by_whole_tensor", "scale", "judging/judge.py",
         "finite.max(axis=-1) if oracle_scores.shape[-1]",
         "np.full(oracle_scores.shape[:-1], finite.max()) if oracle_scores.shape[-1]",
         _rules("test_topk_tie_window_is_the_score_bound_of_the_row"), "top-k tie window",
@@ -120,7 +120,7 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     # ------------------------------------------------------------------- bounds
     HarnessMutant(
-        "oracle_alpha_squared", "bound", "compare.py",
+        "oracle_alpha_squared", "bound", "judging/compare.py",
         "    bound = alpha * max(t_err, floor)",
         "    bound = alpha * alpha * max(t_err, floor)",
         _rules("test_oracle_bound_is_alpha_times_the_reference_error_at_dtype"), "oracle bound",
@@ -128,7 +128,7 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "check 2-3x looser (the 36 planted jax_impl bugs are gross enough to fail anyway)",
     ),
     HarnessMutant(
-        "reduction_floor_linear_in_n", "bound", "tolerance.py",
+        "reduction_floor_linear_in_n", "bound", "judging/tolerance.py",
         "        value = max(value, n ** 0.5 * WIDE_U)",
         "        value = max(value, n * WIDE_U)",
         _rules("test_oracle_floor_scales_with_sqrt_n"), "sqrt(n) floor",
@@ -136,42 +136,42 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "16-90x looser floors",
     ),
     HarnessMutant(
-        "floor_of_another_dtype", "bound", "tolerance.py",
+        "floor_of_another_dtype", "bound", "judging/tolerance.py",
         "    value = FLOOR[dtype][kind]",
         '    value = FLOOR["bfloat16"][kind]',
         _rules("test_oracle_floor_when_the_reference_is_exact"), "oracle floor",
         "every dtype's floor read from the bfloat16 row: float32 floors 2^15 times looser",
     ),
     HarnessMutant(
-        "order_error_ignored", "bound", "judge.py",
+        "order_error_ignored", "bound", "judging/judge.py",
         "order_error=refs.order_errors.get(baseline_name))",
         "order_error=None)",
         _rules("test_oracle_baseline_is_at_least_the_stored_order_error"), "order-error baseline",
         "the stored order error never consulted: a lucky draw of the reference's rounding sets the bound",
     ),
     HarnessMutant(
-        "exact64_bound_widened", "bound", "tolerance.py",
+        "exact64_bound_widened", "bound", "judging/tolerance.py",
         "        return EXACT64\n",
         "        return 1e3 * EXACT64\n",
         _rules("test_exact64_bound_is_1e_12_whatever_the_reference_error"), "exact64 bound",
         "float64 against the float64 oracle judged to 1e-9 instead of 1e-12",
     ),
     HarnessMutant(
-        "chunk_bound_of_another_dtype", "bound", "tolerance.py",
+        "chunk_bound_of_another_dtype", "bound", "judging/tolerance.py",
         "    return CHUNK[dtype][numeric_kind(quantity)]",
         '    return CHUNK["bfloat16"][numeric_kind(quantity)]',
         _rules("test_chunk_bound_is_the_tight_chunk_table_against_native"), "chunk bound",
         "every dtype's chunk check read from the bfloat16 row: float32 chunked-vs-native 2.5-20x looser",
     ),
     HarnessMutant(
-        "backend_at_the_chunk_bound", "bound", "judge.py",
+        "backend_at_the_chunk_bound", "bound", "judging/judge.py",
         '        return "xla", policy.backend_bound',
         '        return "xla", policy.chunk',
         _rules("test_a_pallas_point_is_judged_against_the_xla_path_at_the_backend_bound"), "xla bound",
         "a pallas point judged against the XLA path at the looser CHUNK bound (10x in float32's forward)",
     ),
     HarnessMutant(
-        "stage_alpha_of_gradients", "bound", "judge.py",
+        "stage_alpha_of_gradients", "bound", "judging/judge.py",
         'base, policy.alpha("compressed_keys"),',
         'base, policy.alpha("grad.stage"),',
         _rules("test_stage_checks_are_the_forward_oracle_rule"), "stage rule",
@@ -179,21 +179,21 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     # ------------------------------------------------------------------- statuses and verdicts
     HarnessMutant(
-        "error_status_not_failed", "verdict", "compare.py",
+        "error_status_not_failed", "verdict", "judging/compare.py",
         "        return self.status in (FAILED, ERROR)",
         "        return self.status == FAILED",
         _rules("test_an_error_status_fails_the_check_the_test_and_the_run"), "error status fails",
         "a plug-in that raised at a point (status error) no longer fails the matrix test",
     ),
     HarnessMutant(
-        "not_provided_counted_as_passed", "verdict", "compare.py",
+        "not_provided_counted_as_passed", "verdict", "judging/compare.py",
         "        return self.status in (PASSED, EXCUSED)",
         "        return self.status in (PASSED, EXCUSED, NOT_PROVIDED)",
         _rules("test_each_status_maps_to_its_verdict"), "status -> verdict",
         "a quantity the implementation does not provide counted as passed",
     ),
     HarnessMutant(
-        "error_reported_as_not_provided", "verdict", "judge.py",
+        "error_reported_as_not_provided", "verdict", "judging/judge.py",
         "    if outputs.error:",
         "    if outputs.error and outputs.not_applicable:",
         _rules("test_an_error_status_fails_the_check_the_test_and_the_run"), "error status fails",
@@ -202,7 +202,7 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     # ------------------------------------------------------------------- what is judged against what
     HarnessMutant(
-        "native_taken_from_the_chunked_point", "reference", "collect.py",
+        "native_taken_from_the_chunked_point", "reference", "run/collect.py",
         "native=outputs(entry.impl, p.case, p.native) if p.native else None,",
         "native=outputs(entry.impl, p.case, p) if p.native else None,",
         _rules("test_collect_judges_a_chunked_point_against_its_native_point"), "chunk against native",
@@ -210,21 +210,21 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "check compares a run with itself",
     ),
     HarnessMutant(
-        "order_errors_of_another_dtype", "reference", "collect.py",
+        "order_errors_of_another_dtype", "reference", "run/collect.py",
         "order_errors=order_errors(p.case, p.dtype, p.teacher),",
         'order_errors=order_errors(p.case, "bfloat16", p.teacher),',
         _rules("test_collect_hands_the_entrys_dtype_order_errors"), "order-error baseline",
         "the stored order errors of bfloat16 handed to every dtype's oracle check",
     ),
     HarnessMutant(
-        "sel_baseline_from_own_selection", "reference", "judge.py",
+        "sel_baseline_from_own_selection", "reference", "judging/judge.py",
         "refs, own, at_sel, p.dtype, policy, sel=True)",
         "refs, own, own, p.dtype, policy, sel=True)",
         _rules("test_oracle_at_sel_is_the_oracle_rule_on_the_oracles_selection"), "oracle@sel",
         "oracle@sel's baseline taken from the reference at t on its own selection, not the oracle's",
     ),
     HarnessMutant(
-        "chunk_at_sel_against_the_oracle", "reference", "judge.py",
+        "chunk_at_sel_against_the_oracle", "reference", "judging/judge.py",
         "outputs[at_sel], refs.native[at_sel], bound)",
         "outputs[at_sel], refs.oracle[own], bound)",
         _rules("test_chunk_at_sel_is_against_natives_run_on_the_oracles_selection"), "chunk@sel",
@@ -232,14 +232,14 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "wrong reference)",
     ),
     HarnessMutant(
-        "chunk_topk_against_the_oracle", "reference", "judge.py",
+        "chunk_topk_against_the_oracle", "reference", "judging/judge.py",
         'check=f"{versus}-topk", against=refs.native)',
         'check=f"{versus}-topk", against=None)',
         _rules("test_chunk_topk_compares_against_native_with_the_oracles_window"), "chunk-topk against native",
         "chunked picks compared with the oracle's instead of native's (repeats the topk check)",
     ),
     HarnessMutant(
-        "stage_baseline_from_the_candidate", "reference", "judge.py",
+        "stage_baseline_from_the_candidate", "reference", "judging/judge.py",
         "refs.oracle[q], refs.at_dtype[q], policy.alpha(q),",
         "refs.oracle[q], outputs[q], policy.alpha(q),",
         _rules("test_a_stage_plugins_quantity_is_judged_against_the_references_stage"), "stage entry",
@@ -247,28 +247,28 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     # ------------------------------------------------------------------- non-finite values
     HarnessMutant(
-        "candidate_nan_ignored", "nan", "compare.py",
+        "candidate_nan_ignored", "nan", "judging/compare.py",
         "    if x_nan.any() or r_nan.any():",
         "    if r_nan.any():",
         _rules("test_nan_in_the_candidate_fails_whatever_the_bound"), "NaN fails",
         "NaN in the candidate left to the normalised error, which skips non-finite entries",
     ),
     HarnessMutant(
-        "reference_nan_ignored", "nan", "compare.py",
+        "reference_nan_ignored", "nan", "judging/compare.py",
         "    if x_nan.any() or r_nan.any():",
         "    if x_nan.any():",
         _rules("test_nan_in_the_reference_fails"), "NaN fails",
         "NaN in the reference (a damaged golden) left to the normalised error, which skips it",
     ),
     HarnessMutant(
-        "minus_inf_pattern_ignored", "nan", "compare.py",
+        "minus_inf_pattern_ignored", "nan", "judging/compare.py",
         "    if differ.any():",
         "    if False and differ.any():",
         _rules("test_a_changed_minus_inf_pattern_fails_whatever_the_bound"), "-inf pattern exact",
         "a masked block made visible (or the reverse) not reported",
     ),
     HarnessMutant(
-        "isolation_tolerates_tiny_gradients", "nan", "compare.py",
+        "isolation_tolerates_tiny_gradients", "nan", "judging/compare.py",
         "        nz = ~(np.abs(g) <= bound)",
         "        nz = np.abs(g) > max(bound, 1e-300)",
         _rules("test_isolation_is_exactly_zero"), "isolation exactly 0",
@@ -276,14 +276,14 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     # ------------------------------------------------------------------- the top-k tie rule
     HarnessMutant(
-        "tie_window_doubled", "tie", "compare.py",
+        "tie_window_doubled", "tie", "judging/compare.py",
         "abs(rows[q, i] - kth) <= flat_tol[q] for i in a ^ o)",
         "abs(rows[q, i] - kth) <= 2 * flat_tol[q] for i in a ^ o)",
         _rules("test_topk_tie_window_is_the_score_bound_of_the_row"), "top-k tie window",
         "a swap excused within twice the score bound of the k-th score",
     ),
     HarnessMutant(
-        "tie_checks_only_the_new_pick", "tie", "compare.py",
+        "tie_checks_only_the_new_pick", "tie", "judging/compare.py",
         "abs(rows[q, i] - kth) <= flat_tol[q] for i in a ^ o)",
         "abs(rows[q, i] - kth) <= flat_tol[q] for i in a - o)",
         _rules("test_topk_replaced_pick_far_above_the_kth_is_never_a_tie"), "top-k tie window",
@@ -292,21 +292,21 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     # ------------------------------------------------------------------- sparse end to end, excused
     HarnessMutant(
-        "tie_window_around_the_top_score", "tie", "compare.py",
+        "tie_window_around_the_top_score", "tie", "judging/compare.py",
         "kth = min(rows[q, i] for i in o)",
         "kth = max(rows[q, i] for i in o)",
         _rules("test_topk_tie_window_is_the_score_bound_of_the_row"), "top-k tie window",
         "the tie window centred on the best pick's score instead of the k-th",
     ),
     HarnessMutant(
-        "sparse_chunk_always_excused", "excuse", "judge.py",
+        "sparse_chunk_always_excused", "excuse", "judging/judge.py",
         'if np.array_equal(np.sort(native["topk_indices"], -1), np.sort(outputs["topk_indices"], -1)):',
         'if False and np.array_equal(np.sort(native["topk_indices"], -1), np.sort(outputs["topk_indices"], -1)):',
         _rules("test_sparse_end_to_end_chunk_is_compared_when_the_selections_agree"), "sparse end-to-end chunk",
         "the end-to-end sparse chunk check always excused as differing selections: it never compares",
     ),
     HarnessMutant(
-        "sparse_selections_compared_in_order", "excuse", "judge.py",
+        "sparse_selections_compared_in_order", "excuse", "judging/judge.py",
         'if np.array_equal(np.sort(native["topk_indices"], -1), np.sort(outputs["topk_indices"], -1)):',
         'if np.array_equal(native["topk_indices"], outputs["topk_indices"]):',
         _rules("test_sparse_end_to_end_chunk_is_compared_when_the_selections_agree"), "sparse end-to-end chunk",
@@ -314,7 +314,7 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "end-to-end chunk check",
     ),
     HarnessMutant(
-        "sparse_oracle_always_excused", "excuse", "judge.py",
+        "sparse_oracle_always_excused", "excuse", "judging/judge.py",
         "    elif agreement.status == EXCUSED:",
         "    elif agreement.status != FAILED:",
         _rules("test_sparse_end_to_end_oracle_is_compared_when_the_selections_agree"), "sparse end-to-end oracle",
@@ -322,28 +322,28 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     # ------------------------------------------------------------------- the run's verdict and exit code
     HarnessMutant(
-        "sparse_selection_mismatch_ignored", "excuse", "judge.py",
+        "sparse_selection_mismatch_ignored", "excuse", "judging/judge.py",
         "    if agreement.status == FAILED:",
         "    if False:",
         _rules("test_sparse_end_to_end_excused_only_for_boundary_ties"), "sparse end-to-end oracle",
         "an own selection that differs from the oracle's beyond a tie judged on its numbers alone",
     ),
     HarnessMutant(
-        "exit_0_on_failure", "exit", "cli.py",
+        "exit_0_on_failure", "exit", "run/cli.py",
         'return 0 if summary["failed"] + summary["errors"] == 0 else 1',
         'return 0 if summary["errors"] == 0 else 1',
         _rules("test_cli_exit_code_follows_every_status"), "exit code",
         "csa-parity exits 0 when checks failed (only errors count)",
     ),
     HarnessMutant(
-        "exit_0_on_error", "exit", "cli.py",
+        "exit_0_on_error", "exit", "run/cli.py",
         'return 0 if summary["failed"] + summary["errors"] == 0 else 1',
         'return 0 if summary["failed"] == 0 else 1',
         _rules("test_cli_exit_code_follows_every_status"), "exit code",
         "csa-parity exits 0 when a plug-in raised (only failures count)",
     ),
     HarnessMutant(
-        "errors_not_counted_in_the_summary", "exit", "report.py",
+        "errors_not_counted_in_the_summary", "exit", "run/report.py",
         '"errors": statuses[ERROR],',
         '"errors": 0,',
         _rules("test_cli_exit_code_follows_every_status"), "exit code",
@@ -353,7 +353,7 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
 
 
 # ------------------------------------------------------------------- every number, 10x looser
-# Derived from the table, not written by hand: one mutant per number of harness/tolerance.py
+# Derived from the table, not written by hand: one mutant per number of harness/judging/tolerance.py
 # (tolerance.entries()), which reassigns that one number, made 10x looser (tolerance.loosened),
 # at the end of the copy's tolerance.py, so every module that reads it, at import or when called,
 # sees the looser value. Its killing test is the number's boundary test.
@@ -371,14 +371,14 @@ def _target(keys: tuple) -> str:
 
 
 def number_mutants() -> tuple[HarnessMutant, ...]:
-    """One `x10_<number>` mutant per number of harness/tolerance.py."""
-    from .tolerance import entries, loosened
+    """One `x10_<number>` mutant per number of harness/judging/tolerance.py."""
+    from ..judging.tolerance import entries, loosened
 
     out = []
     for number, keys, value in entries():
         looser = loosened(value)
         out.append(HarnessMutant(
-            number_mutant_name(number), NUMBER_KIND, "tolerance.py", "", "",
+            number_mutant_name(number), NUMBER_KIND, "judging/tolerance.py", "", "",
             f"{BOUNDARIES}::{NUMBER_TEST}[{number}]", number,
             f"{number} {value:.6g} -> {looser:.6g} (10x looser)",
             appended=f"\n# mutant {number_mutant_name(number)}\n{_target(keys)} = {looser!r}\n"))
@@ -394,7 +394,7 @@ def _ignore(directory, names):
 
 def patch_copy(mutant: HarnessMutant | None, dst: Path, src: Path | None = None) -> Path:
     """Copy `src` (default: this checkout's harness/) to dst/harness, link dst/fixtures to this
-    checkout's fixtures (harness.fixtures finds them beside the package) and apply the mutant's
+    checkout's fixtures (harness.problems.fixtures finds them beside the package) and apply the mutant's
     edits. Raises MutationError when an `old` text does not occur exactly once."""
     src = src or REPO_ROOT / PACKAGE
     dst = Path(dst)
@@ -404,7 +404,8 @@ def patch_copy(mutant: HarnessMutant | None, dst: Path, src: Path | None = None)
     if mutant is not None:
         module = target / mutant.module
         if mutant.edits:
-            apply_edits(module, mutant.name, mutant.edits, f"{PACKAGE}/{mutant.module}", "harness/judge_mutations.py")
+            apply_edits(module, mutant.name, mutant.edits, f"{PACKAGE}/{mutant.module}",
+                        "harness/selftest/judge_mutations.py")
         if mutant.appended:
             module.write_text(module.read_text() + mutant.appended)
     return target
@@ -616,7 +617,7 @@ def verdict(mutant: HarnessMutant, outcome: Outcome) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.judge_mutations", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.selftest.judge_mutations", description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated mutant names (default: all)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run side by side (default 1)")
     ap.add_argument("--no-clean", action="store_true",
@@ -627,7 +628,7 @@ def main(argv=None) -> int:
     try:
         chosen = select(CATALOGUE + NUMBER_CATALOGUE, args.only, patch_copy)
     except MutationError as exc:
-        print(f"harness.judge_mutations: error: {exc}", file=sys.stderr)
+        print(f"harness.selftest.judge_mutations: error: {exc}", file=sys.stderr)
         return 2
     by_hand = [m for m in chosen if m.kind != NUMBER_KIND]
     numbers = [m for m in chosen if m.kind == NUMBER_KIND]

@@ -1,13 +1,13 @@
 """Regenerating the fixtures, and `--check`ing the committed ones (SPEC section 9).
 
-The work, beside the format (harness.fixtures): a case's inputs and parameters come
-from the catalogue (`harness.cases.make_inputs`, numpy only); its goldens are the outputs
+The work, beside the format (harness.problems.fixtures): a case's inputs and parameters come
+from the catalogue (`harness.problems.cases.make_inputs`, numpy only); its goldens are the outputs
 of the torch reference, driven through the implementation protocol like every other
-side (`harness.implementations.TorchReference`): the float64 oracle first, then each
+side (`harness.sides.implementations.TorchReference`): the float64 oracle first, then each
 low dtype given the oracle's top-k for the sparse_at_oracle variant. `--check`
 regenerates in memory and compares with the committed files: inputs and parameters
-bit for bit, goldens within harness.tolerance.FIXTURE_CHECK_RTOL, top-k picks by the
-project's one tie rule (harness.compare.topk_sets).
+bit for bit, goldens within harness.judging.tolerance.FIXTURE_CHECK_RTOL, top-k picks by the
+project's one tie rule (harness.judging.compare.topk_sets).
 
     python scripts/regenerate_fixtures.py [--case NAME] [--check] [--fixtures-dir DIR]
 """
@@ -23,19 +23,18 @@ from typing import Any, Iterable, Mapping, TextIO
 
 import numpy as np
 
-from .cases import CASES, Case, make_inputs
-from .compare import topk_sets
-from .compare import normalised_error
-from .fixtures import (FIXTURES_DIR, GOLDEN_DTYPES, LOW_DTYPES, MANIFEST_NAME, ORDERR_QUANTITIES, REPO_ROOT,
-                       TEACHER_FREE, teacher_prefix,
-                       VERSION_KEYS, CorruptFile, FixtureError, RawTensor, atomic_write, case_metadata, display_path,
-                       fix_command, manifest_entry, read_manifest, read_safetensors, sha256_of, tensor_schema,
-                       write_manifest, write_safetensors)
-from .implementations import Problem, TorchReference
-from .matrix import Point
-from .outputs import CODE_QUANTITIES, PARAM_NAMES
-from .tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL, ORDERR_CHECK_FACTOR
-from . import CPU_PINS, TORCH_CPU_CAPABILITY
+from .. import CPU_PINS, TORCH_CPU_CAPABILITY
+from ..judging.compare import normalised_error
+from ..judging.compare import topk_sets
+from ..judging.tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL, ORDERR_CHECK_FACTOR
+from ..outputs import CODE_QUANTITIES, PARAM_NAMES
+from ..points import Point
+from ..problems.cases import CASES, Case, make_inputs
+from ..problems.fixtures import (FIXTURES_DIR, GOLDEN_DTYPES, LOW_DTYPES, MANIFEST_NAME, ORDERR_QUANTITIES, REPO_ROOT,
+                                 TEACHER_FREE, teacher_prefix, VERSION_KEYS, CorruptFile, FixtureError, RawTensor,
+                                 atomic_write, case_metadata, display_path, fix_command, manifest_entry, read_manifest,
+                                 read_safetensors, sha256_of, tensor_schema, write_manifest, write_safetensors)
+from ..sides.implementations import Problem, TorchReference
 
 
 def _versions() -> dict[str, str]:
@@ -109,7 +108,7 @@ def golden_tensors(problem: Problem, teachers=("joint",)) -> dict[str, np.ndarra
 # is causal semantics). Outputs are permuted back, and the error is the max over the K orders
 # (order 0 is the stored goldens' own, so orderr >= the stored golden's error). Stored per low
 # dtype as the float64 scalar `golden.<dtype>.orderr.<name>` for the names of
-# harness.fixtures.ORDERR_QUANTITIES. Errors are harness.compare.normalised_error.
+# harness.problems.fixtures.ORDERR_QUANTITIES. Errors are harness.judging.compare.normalised_error.
 ORDER_COUNT = 4  # K: order 0 (as stored) + 3 permuted orders
 ORDER_SEED = 14
 
@@ -271,7 +270,7 @@ def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
         if manifest is not None and cases is None:
             for stale in sorted(set(manifest["cases"]) - set(CASES)):
                 print(f"DIFF {display_path(fixtures_dir / MANIFEST_NAME)} lists case {stale!r}, "
-                      f"which harness/cases.py no longer has: run {fix_command(None, fixtures_dir)}",
+                      f"which harness/problems/cases.py no longer has: run {fix_command(None, fixtures_dir)}",
                       file=out)
                 problems += 1
         verdict = "passed" if not problems else f"FAILED with {problems} difference(s)"
@@ -393,7 +392,7 @@ def compare_tensor(tname: str, a: RawTensor, b: RawTensor, old_t, new_t) -> str 
 
 
 def compare_topk(old: np.ndarray, new: np.ndarray, scores: np.ndarray, rtol: float) -> str | None:
-    """Per (b, s) the picks as sets, by the project's one tie rule (harness.compare.topk_sets)
+    """Per (b, s) the picks as sets, by the project's one tie rule (harness.judging.compare.topk_sets)
     with the score tolerance rtol * max |committed row|."""
     finite = np.where(np.isfinite(scores), np.abs(scores), 0.0)
     tol = rtol * (finite.max(axis=-1) if scores.shape[-1] else np.zeros(scores.shape[:-1]))
@@ -435,7 +434,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="regenerate_fixtures.py",
-        description="Regenerate the committed fixtures from harness/cases.py and torch_ref, "
+        description="Regenerate the committed fixtures from harness/problems/cases.py and torch_ref, "
                     "or --check them.")
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .outputs import INPUT_NAMES, PARAM_NAMES  # noqa: F401  (re-exported: the catalogue's names)
+from ..outputs import INPUT_NAMES, PARAM_NAMES  # noqa: F401  (re-exported: the catalogue's names)
 
 # Every CSAConfig field in declaration order, with its default (REQUIRED: every case gives
 # it), except the run-time knob `query_chunk`, which a plug-in that predates it need not
@@ -62,7 +62,7 @@ CONFIG_FIELDS: tuple[tuple[str, Any], ...] = (
     ("index_quant", None),
 )
 
-# Run-time knobs, with their defaults: set per matrix point (harness.implementations.run_config),
+# Run-time knobs, with their defaults: set per matrix point (harness.sides.implementations.run_config),
 # never part of a case or its fixture (they change how a result is computed, not what it is).
 KNOB_DEFAULTS: dict[str, Any] = {"indexer_head_chunk": 0, "loss_head_chunk": 0, "query_chunk": 0,
                                  "sparse_loss": False, "teacher_normaliser": "joint"}
@@ -95,7 +95,7 @@ def full_config(**fields: Any) -> dict[str, Any]:
     for knob, default in KNOB_DEFAULTS.items():
         if knob in fields and fields[knob] != default:
             raise ValueError(f"{knob}={fields[knob]!r} is a run-time knob, set per matrix point "
-                             "(harness.matrix), not part of a case")
+                             "(harness.problems.matrix), not part of a case")
     out = {}
     for name, default in PROBLEM_FIELDS:
         if name in fields:

@@ -12,12 +12,10 @@ their sizes are `csa-parity run --list [--sample S]` and docs/FIGURES.md.
 
 from __future__ import annotations
 
-import dataclasses
-
+from ..outputs import LOSS_QUANTITIES, MODES, forward_quantities
+from ..points import DTYPES, Entry, Point
 from .cases import CASES, TEACHERS
-from .outputs import LOSS_QUANTITIES, MODES, forward_quantities, kind_of
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 TEACHER_CHUNK_DTYPES = ("float32", "float64")
 QUERY_CHUNK_DTYPES = ("float32", "bfloat16", "float64")
 SWEEP_CASES = ("small", "flash_dims")
@@ -27,11 +25,6 @@ SAMPLES = ("ci", "default", "full")
 def divisors(n: int) -> list[int]:
     """The positive divisors of n: the chunk sizes (besides 0, no chunking) a head count allows."""
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def mesh_text(mesh: tuple[int, int, int]) -> str:
-    """A mesh (data, seq, model) as `DxSxM`, e.g. `2x2x2`."""
-    return "x".join(map(str, mesh))
 
 
 def seq_split_reason(case: str, seq: int) -> str | None:
@@ -49,112 +42,6 @@ def seq_split_reason(case: str, seq: int) -> str | None:
                                           f": S holds {c.seq_len // m} block(s)"))
     return (f"not applicable: case {case} (S={c.seq_len}, m={m}) does not split into whole blocks over "
             f"seq={seq} devices (S/seq must be a multiple of m; {sizes})")
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Point:
-    """What an implementation runs: one problem at one dtype with its run-time knobs
-    (indexer chunk, teacher chunk, query chunk (0 = all rows), and for sharded
-    runs the mesh (data, seq, model): batch rows, token rows and heads split over that many
-    devices each). One compiled program computes every mode and quantity of a point."""
-
-    case: str
-    dtype: str
-    ichunk: int = 0
-    tchunk: int = 0
-    qchunk: int = 0
-    mesh: tuple[int, int, int] | None = None
-    # The teacher of the loss (SPEC section 8): "joint" (DeepSeek-V4's attention) or "compressed".
-    teacher: str = "joint"
-    # jax_impl's scoring code (config `scoring_backend`): "xla", or "pallas" (the Pallas kernels;
-    # interpret mode off TPU). Only the JAX implementation reads it (BACKEND_SAMPLE).
-    backend: str = "xla"
-
-    @property
-    def chunked(self) -> bool:
-        return bool(self.ichunk or self.tchunk or self.qchunk)
-
-    @property
-    def native(self) -> "Point | None":
-        """What this point's outputs must reproduce up to summation order (the `chunk`
-        checks): a sharded point, the same knobs on one device; a chunked point, the same
-        problem with no chunking at all; a native single-device point, nothing."""
-        if self.mesh is not None:
-            return dataclasses.replace(self, mesh=None)
-        if self.backend != "xla":  # the kernel against the XLA path at the same knobs
-            return dataclasses.replace(self, backend="xla")
-        return dataclasses.replace(self, ichunk=0, tchunk=0, qchunk=0) if self.chunked else None
-
-    @property
-    def label(self) -> str:
-        q = f" qchunk={self.qchunk}" if self.qchunk else ""
-        mesh = f" mesh={mesh_text(self.mesh)}" if self.mesh else ""
-        teacher = f" teacher={self.teacher}" if self.teacher != "joint" else ""
-        backend = f" backend={self.backend}" if self.backend != "xla" else ""
-        return f"{self.case} {self.dtype} ichunk={self.ichunk} tchunk={self.tchunk}{q}{mesh}{teacher}{backend}"
-
-    def spec(self) -> str:
-        """`case:dtype:ichunk:tchunk[:qchunk[:teacher[:backend[:DxSxM]]]]` (a command-line form;
-        see `parse`)."""
-        pallas, mesh = self.backend != "xla", self.mesh is not None
-        tail = [str(self.qchunk)] if self.qchunk or self.teacher != "joint" or pallas or mesh else []
-        tail += [self.teacher] if self.teacher != "joint" or pallas or mesh else []
-        tail += [self.backend] if pallas or mesh else []
-        tail += [mesh_text(self.mesh)] if mesh else []
-        return ":".join([self.case, self.dtype, str(self.ichunk), str(self.tchunk), *tail])
-
-    @classmethod
-    def parse(cls, text: str) -> "Point":
-        fields = text.split(":")
-        form = "case:dtype:ichunk:tchunk[:qchunk[:teacher[:backend[:DxSxM]]]]"
-        if len(fields) not in (4, 5, 6, 7, 8):
-            raise ValueError(f"point {text!r} must be {form}")
-        case, dtype, ichunk, tchunk, *rest = fields
-        mesh = None
-        if len(rest) > 3:
-            sizes = rest[3].split("x")
-            if len(sizes) != 3 or not all(x.isdigit() and int(x) >= 1 for x in sizes):
-                raise ValueError(f"point {text!r}: mesh {rest[3]!r} must be DATAxSEQxMODEL, three sizes >= 1 ({form})")
-            mesh = tuple(int(x) for x in sizes)
-        return cls(case, dtype, int(ichunk), int(tchunk), int(rest[0]) if rest else 0, mesh=mesh,
-                   teacher=rest[1] if len(rest) > 1 else "joint", backend=rest[2] if len(rest) > 2 else "xla")
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Entry:
-    """One matrix entry: an implementation's `quantity` at `point` in `mode`
-    (forward | dense | sparse, harness.outputs.MODES)."""
-
-    point: Point
-    mode: str
-    quantity: str
-    impl: str = "jax"
-
-    @property
-    def id(self) -> str:
-        p = self.point
-        impl = "" if self.impl == "jax" else f"{self.impl}-"
-        q = f"-qchunk{p.qchunk}" if p.qchunk else ""
-        mesh = f"-mesh{mesh_text(p.mesh)}" if p.mesh else ""
-        teacher = f"-{p.teacher}" if p.teacher != "joint" else ""
-        backend = f"-{p.backend}" if p.backend != "xla" else ""
-        return (f"{impl}{p.case}-{p.dtype}-ichunk{p.ichunk}-tchunk{p.tchunk}{q}{mesh}{teacher}{backend}-{self.mode}-"
-                f"{self.quantity}")
-
-    @property
-    def kind(self) -> str:
-        """forward | topk | loss | grad | isolation | codes (harness.outputs.kind_of)."""
-        return kind_of(self.quantity)
-
-    @property
-    def label(self) -> str:
-        impl = "" if self.impl == "jax" else f" impl={self.impl}"
-        return f"{self.point.label} {self.mode}{impl}"
-
-    @property
-    def group(self) -> str:
-        """Entries sharing compiled programs and torch results (one xdist worker each)."""
-        return f"{self.impl}-{self.point.case}-{self.point.dtype}"
 
 
 def combined_pair(case: str) -> tuple[int, int]:
@@ -255,7 +142,7 @@ TEACHER_CASES = ("window_only", "sink_only", "window_one", "window_wide", "windo
 def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
     """The ci sample's chunk triples for a case and dtype: a subset of the default sample's."""
     if case not in CI_DTYPES:
-        raise ValueError(f"case={case!r} has no entry in harness.matrix.CI_DTYPES (the ci sample's dtypes "
+        raise ValueError(f"case={case!r} has no entry in harness.problems.matrix.CI_DTYPES (the ci sample's dtypes "
                          "per case): add one")
     native, combined = CI_DTYPES[case]
     if dtype not in native:
@@ -302,7 +189,7 @@ def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tu
     if sample == "full":
         return chunk_points(case, dtype, sample)
     if sample == "ci" and case not in COMPRESSED_CI:
-        raise ValueError(f"case={case!r} has no entry in harness.matrix.COMPRESSED_CI (the ci sample's dtype of "
+        raise ValueError(f"case={case!r} has no entry in harness.problems.matrix.COMPRESSED_CI (the ci sample's dtype of "
                          "the compressed teacher per case): add one")
     native = DTYPES if sample == "default" else (COMPRESSED_CI[case],)
     points = [(0, 0, 0)] if dtype in native else []
@@ -313,7 +200,7 @@ def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tu
 
 # The Pallas scoring backend's sample (config `scoring_backend`; Point.backend): the points it
 # runs, each judged against the oracle like any point and against the XLA path at the same
-# knobs (the `xla` check, harness.tolerance.BACKEND). Interpret mode off TPU costs a compiled
+# knobs (the `xla` check, harness.judging.tolerance.BACKEND). Interpret mode off TPU costs a compiled
 # program of ~10 s per point on 2 cores, so the axis is sampled apart from the chunk knobs:
 # default: every case natively in one dtype (DTYPES rotated over the catalogue), the sweep
 #   cases natively in every dtype and at their combined chunk point in float32 and bfloat16,
@@ -347,7 +234,7 @@ def pallas_points(case: str, dtype: str, sample: str = "default") -> list[tuple[
 def programs_at(point: Point) -> int:
     """The programs the built-in implementation compiles for a point: one (every mode and quantity
     in one parity bundle), two where the problem quantizes on one device (on the oracle's codes
-    and on its own, harness.implementations)."""
+    and on its own, harness.sides.implementations)."""
     return 2 if CASES[point.case].config.get("index_quant") is not None and point.mesh is None else 1
 
 

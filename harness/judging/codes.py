@@ -6,10 +6,10 @@ between neighbouring values of the format (for a code) and the powers of two (fo
 scale). Such a difference is a boundary tie, excused and counted, only when the oracle's own
 value lies within the dtype's tolerance of the boundary the candidate's answer implies; any
 other difference fails. The two comparators here, `scales_check` and `codes_check`, return
-`harness.compare.CheckResult` (template "codes") and never raise on a mismatch.
+`harness.judging.compare.CheckResult` (template "codes") and never raise on a mismatch.
 
 The tolerance of a DI-vector is `bound * max |oracle rotated|` over that vector (the "row" scale
-of `harness.compare.normalised_error`): the caller's `bound` is normalised, as every other bound.
+of `harness.judging.compare.normalised_error`): the caller's `bound` is normalised, as every other bound.
 
 Where the reference computed a value at the candidate's dtype without any rounding
 (`at_dtype_rotated == oracle_rotated`, e.g. planted inputs), the tolerance there is 0: the tie
@@ -27,8 +27,8 @@ import functools
 
 import numpy as np
 
+from ..outputs import EXCUSED, FAILED, PASSED
 from .compare import CheckResult, to_numpy
-from .outputs import EXCUSED, FAILED, PASSED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Every number that decides pass or fail, with the reason beside it.
 
-Errors are normalised (harness.compare): max |x - ref| / max |ref| per tensor,
+Errors are normalised (harness.judging.compare): max |x - ref| / max |ref| per tensor,
 per query row for scores, relative for scalars. "ulp(t)" below is the spacing
 of dtype t at 1.0: float32 2^-23, bfloat16 2^-7, float16 2^-10.
 
@@ -15,7 +15,7 @@ of a bound reruns it and updates the figures here.
 Tables are keyed by the numeric kinds of harness.outputs.kind_of: forward
 (compressed keys, scores), loss, grad. The top-k rule takes its score tolerance
 from the forward row; isolation is exact (0). `Policy` is the judge's view of
-all of it (harness.judge).
+all of it (harness.judging.judge).
 
 `entries()` lists every number of this module; tests/test_tolerance_boundaries.py pins each
 one (PINS) and judges hand-made errors at 0.9x and 1.1x of its bound, so a number changed
@@ -28,7 +28,7 @@ import dataclasses
 import math
 from typing import Mapping
 
-from .outputs import kind_of
+from ..outputs import kind_of
 
 
 def numeric_kind(quantity: str) -> str:
@@ -116,7 +116,7 @@ def floor(dtype: str, quantity: str, profile: str = "highest", backend: str = "c
           dims: dict | None = None) -> float:
     """The floor of SPEC section 10 for `quantity` at `dtype`, under the matmul precision
     `profile` on `backend`, for a problem of `dims` (None: no reduction-length floor)."""
-    from .platforms import float32_operand_bits
+    from ..platforms import float32_operand_bits
 
     if profile not in PROFILES:
         raise ValueError(f"profile={profile!r} is not supported (valid: {', '.join(PROFILES)})")
@@ -193,7 +193,7 @@ BACKEND = {
 }
 
 
-# The `kernel` check (harness.kernel_check): the kernels' forward fed bfloat16 q and K against
+# The `kernel` check (harness.sides.kernel_check): the kernels' forward fed bfloat16 q and K against
 # the XLA contribution of the same values widened to float32. A bfloat16 product is exact in
 # float32, so only the order of float32 sums differs: measured 6.5e-9 (normwise, 3 heads of 8
 # channels); 1e-6 is ~16 float32 unit roundoffs. A bfloat16 accumulator is off by ~2^-9.
@@ -206,13 +206,13 @@ def backend_bound(dtype: str, quantity: str) -> float:
 
 # --- Top-k: a pick that differs from the reference's is excused only when it and the
 # pick it replaced both score within the forward bound of the reference's k-th score
-# (harness.judge.score_tolerance; the rule itself is harness.compare.topk_sets, the only
+# (harness.judging.judge.score_tolerance; the rule itself is harness.judging.compare.topk_sets, the only
 # one in the project). Isolation: d loss / d inputs must be exactly 0: the largest |input
-# gradient| allowed (harness.compare.exactly_zero) is 0.
+# gradient| allowed (harness.judging.compare.exactly_zero) is 0.
 ISOLATION = 0.0
 
 
-# --- fixtures --check (harness.regenerate): how far a regenerated golden may move from
+# --- fixtures --check (harness.run.regenerate): how far a regenerated golden may move from
 # the committed one. Inputs and parameters come from numpy's seeded PCG64 and must match
 # bit for bit. Goldens come from torch kernels whose reduction order may differ between
 # CPUs and library builds (not between runs: generation runs single-threaded with
@@ -220,7 +220,7 @@ ISOLATION = 0.0
 # tests/test_fixtures.py asserts). The bound is normwise: max |new - old| over the finite
 # entries <= rtol * max |old|, with -inf / NaN patterns exact; top-k picks as sets per
 # query, a swap excused only between scores tied within rtol * max |row| (the judge's
-# tie rule, harness.compare.topk_sets).
+# tie rule, harness.judging.compare.topk_sets).
 #   float64: 1e-12 (= EXACT64). A different summation order moves a float64 result by a
 #     few ulp of its partial sums (about 1e-16 relative, times at most a few hundred
 #     terms); a regeneration that moves further is a change of formula, not of order
@@ -303,7 +303,7 @@ def entries() -> list[tuple[str, tuple, float]]:
     "float32", "grad")). Found by walking the module, so a number added here is listed
     without being registered anywhere: tests/test_tolerance_boundaries.py pins each one at
     its boundary (and fails, naming it, for one it has no boundary case for), and
-    harness.judge_mutations loosens each one in turn."""
+    harness.selftest.judge_mutations loosens each one in turn."""
     out: list[tuple[str, tuple, float]] = []
 
     def walk(keys: tuple, value) -> None:

@@ -11,9 +11,9 @@ import os
 import tempfile
 from collections import defaultdict
 
-from .compare import CheckResult
-from .matrix import Entry, Point
-from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, STAGE_MODE, kind_of
+from ..judging.compare import CheckResult
+from ..outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES, STAGE_MODE, kind_of
+from ..points import Entry, Point
 
 # parity.json's layout (docs/design.md lists every field; CHANGELOG.md says what each version
 # added). A reader that finds another version knows the fields may differ.
@@ -75,7 +75,7 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
     command is the pytest selection of that point."""
     import shlex
 
-    from .cases import CASES
+    from ..problems.cases import CASES
 
     if point.mesh is not None:
         prefix = Entry(point, mode or "", "").id.rstrip("-")
@@ -172,7 +172,7 @@ def headroom(records: list[dict]) -> dict:
 
 
 def point_label(rec: dict) -> str:
-    """The label of a record's point (harness.matrix.Point.label)."""
+    """The label of a record's point (harness.points.Point.label)."""
     return record_point(rec).label
 
 
@@ -257,7 +257,7 @@ def summarise(records: list[dict]) -> dict:
         "sparse_end_to_end_excused": sum(1 for r in records if r["mode"] == "sparse" and r["check"] == "oracle"
                                          and r["status"] == EXCUSED),
         # The quantizer's codes and scales that differ from the oracle's as boundary ties, per dtype
-        # (harness.codes): how often a dtype's rounding crosses a decision boundary.
+        # (harness.judging.codes): how often a dtype's rounding crosses a decision boundary.
         "code_excused_ties": code_ties,
     }
 
@@ -313,7 +313,7 @@ def format_table(header: list[str], rows: list[list[str]], markdown: bool = Fals
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
-# The shares of a point's time (harness.timing.SHARES), in the order a point spends them.
+# The shares of a point's time (harness.sides.timing.SHARES), in the order a point spends them.
 TIME_SHARES = ("startup", "trace", "lower", "compile", "run", "reference", "judge")
 
 

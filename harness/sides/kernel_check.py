@@ -17,15 +17,15 @@ bfloat16 forward kernel):
   bfloat16 is ~1e-2 off.
 
 tests/test_pallas.py runs it on the committed code; the mutation self-test
-(harness/mutations.py, `kernel=True` entries) on each mutated copy of jax_impl.
+(harness/selftest/mutations.py, `kernel=True` entries) on each mutated copy of jax_impl.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .compare import CheckResult, compare_close
-from .tolerance import EXACT64, KERNEL_BF16_FORWARD
+from ..judging.compare import CheckResult, compare_close
+from ..judging.tolerance import EXACT64, KERNEL_BF16_FORWARD
 
 SHAPE = {"B": 2, "S": 21, "c": 3, "DI": 8, "W": 10}
 TILES64 = (8, 8)

@@ -5,7 +5,7 @@
 `outputs` is the candidate's `Outputs` at the entry's point, `references` the oracle,
 the reference at the entry's dtype and (chunked points) the candidate's own native
 outputs, with the reference's stored order errors and the problem's sizes
-(harness.outputs.References), `policy` the tolerance policy (harness.tolerance.Policy:
+(harness.outputs.References), `policy` the tolerance policy (harness.judging.tolerance.Policy:
 profile and backend). This module imports no runner, no fixture code and no framework:
 whatever produced the arrays, the same rules judge them.
 
@@ -22,7 +22,7 @@ For an entry (case, dtype t, chunks, mode, quantity) of implementation X:
   topk       sets per query vs the oracle's, boundary ties excused within the score bound.
   isolation  d loss / d inputs exactly 0.
 A problem that quantizes (SPEC section 7a, 10) adds the quantizer's codes and scales, judged by
-the boundary-tie rule (harness.codes; `chunk`: bit for bit against the native run), and
+the boundary-tie rule (harness.judging.codes; `chunk`: bit for bit against the native run), and
 judges everything after them on common codes: every check above compares runs that all score
 the float64 oracle's codes, and the forward and dense entries once more end to end on the
 candidate's own codes (`@own` checks: its `own.` outputs against the live reference
@@ -45,11 +45,11 @@ import numpy as np
 
 import dataclasses
 
+from ..outputs import (CODE_QUANTITIES, ERROR, EXCUSED, FAILED, FORWARD_STAGES, NOT_APPLICABLE, NOT_PROVIDED, OWN,
+                       ROTATED_NAMES, STAGE_MODE, Outputs, References, output_name)
 from .codes import codes_check, scales_check
 from .compare import (CheckResult, compare_close, exactly_zero, identical, normalised_error, oracle_relative,
                       status_result, topk_sets)
-from .outputs import (CODE_QUANTITIES, ERROR, EXCUSED, FAILED, FORWARD_STAGES, NOT_APPLICABLE, NOT_PROVIDED, OWN,
-                      ROTATED_NAMES, STAGE_MODE, Outputs, References, output_name)
 from .tolerance import Policy
 
 
@@ -129,7 +129,7 @@ def code_tolerance(refs: References, side: str, dtype: str, policy: Policy) -> f
 
 def _codes(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
     """A code or scale quantity (query_codes, query_scales, key_codes, key_scales) against the
-    oracle's by the boundary-tie rule (harness.codes), and bit for bit against the native run."""
+    oracle's by the boundary-tie rule (harness.judging.codes), and bit for bit against the native run."""
     p, q = entry.point, entry.quantity
     side = q.split("_")[0]
     codes, scales = f"{side}_codes", f"{side}_scales"
@@ -300,7 +300,7 @@ def _unmasked(x, ref):
     return np.where(keep, x, 0.0), np.where(keep, ref, 0.0)
 
 
-# The forward quantity whose floor (with its reduction length, harness.tolerance) a stage
+# The forward quantity whose floor (with its reduction length, harness.judging.tolerance) a stage
 # takes: the pooled vectors and keys carry the key path's sums, the raw scores and the
 # student log-probabilities (a softmax of those scores) the score path's; the others one rounding.
 STAGE_FLOOR_OF = {"pooled": "compressed_keys", "keys": "compressed_keys", "scores": "index_scores",

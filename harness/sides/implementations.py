@@ -28,10 +28,10 @@ place that maps each side's result names to the canonical ones.
 
 Caching: `outputs(impl, case, point)` runs each (implementation, case, point) once per
 process (torch: once per case and dtype); keyed by the fixtures directory too, which a
-test may point elsewhere (CSA_PARITY_FIXTURES). Where harness.reference_cache is on (the
+test may point elsewhere (CSA_PARITY_FIXTURES). Where harness.sides.reference_cache is on (the
 workers of `csa-parity run`) the live reference's outputs also persist on disk between runs,
 keyed by everything they follow from; the compiled programs persist in JAX's own cache
-(harness.timing).
+(harness.sides.timing).
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..judging.compare import to_numpy
+from ..outputs import (CODE_QUANTITIES, FORWARD_QUANTITIES, LOSS_VARIANTS, OWN, PARAM_NAMES, ROTATED_NAMES,
+                       STAGE_INPUTS, Outputs, all_names)
+from ..points import Point, mesh_text
+from ..problems.matrix import seq_split_reason
 from . import reference_cache, timing, worker
-from .compare import to_numpy
-from .matrix import Point, mesh_text, seq_split_reason
-from .outputs import (CODE_QUANTITIES, FORWARD_QUANTITIES, LOSS_VARIANTS, OWN, PARAM_NAMES, ROTATED_NAMES, STAGE_INPUTS,
-                      Outputs, all_names)
 from .worker import WorkerCrash
 
 PROTOCOL = ("CSAConfig", "indexer_forward", "indexer_loss_and_grads")
@@ -82,7 +83,7 @@ class Problem:
     `selection` of the sparse_at_oracle variant; None while the oracle itself runs) and,
     where the problem quantizes, the oracle's codes and scales (CODE_QUANTITIES: what every
     other run scores, SPEC section 10's common codes; None while the oracle runs).
-    A loaded fixture (harness.fixtures.Fixture) has the same attributes."""
+    A loaded fixture (harness.problems.fixtures.Fixture) has the same attributes."""
 
     name: str
     config: Mapping[str, Any]
@@ -337,7 +338,7 @@ def _attributed(spec: str, call: str, point: Point, owns, errors: dict, fn):
     """`fn()` (one call into implementation `spec`, its results made host arrays inside, so an
     asynchronous JAX error or crash is the call's): its result, or None with one line under
     each name of `owns` in `errors` when a plug-in raised or the call killed or hung a worker
-    before (harness.worker). A built-in side's exception propagates (a bug there is a traceback)."""
+    before (harness.sides.worker). A built-in side's exception propagates (a bug there is a traceback)."""
     try:
         with worker.stage(f"{spec} {call}", point.label):
             return fn()
@@ -557,7 +558,7 @@ def forward_stages(spec: str, case: str, dtype: str, sparse: bool = False,
     (`jax`, a plug-in with `forward_stages`, or `torch_ref`) on `case` at `dtype`, native path;
     the teacher (of `teacher`) and student of the dense loss, or (`sparse`) of the sparse loss on
     the float64 oracle's selection. None when the implementation exposes none. Cached per process.
-    A plug-in's run in a worker process outside one (harness.worker.isolated)."""
+    A plug-in's run in a worker process outside one (harness.sides.worker.isolated)."""
     if spec not in BUILTIN_SPECS and not worker.inside():
         return _isolated_forward_stages(spec, case, dtype, sparse, teacher, fixtures_dir())
     return _forward_stages(spec, case, dtype, sparse, teacher, fixtures_dir())
@@ -565,7 +566,7 @@ def forward_stages(spec: str, case: str, dtype: str, sparse: bool = False,
 
 @functools.lru_cache(maxsize=None)
 def _isolated_forward_stages(spec, case, dtype, sparse, teacher, directory):
-    return worker.isolated("harness.implementations:_forward_stages", spec, case, dtype, sparse, teacher,
+    return worker.isolated("harness.sides.implementations:_forward_stages", spec, case, dtype, sparse, teacher,
                            directory, label=Point(case, dtype, teacher=teacher).label)
 
 
@@ -620,7 +621,7 @@ class TorchReference:
     ml_dtypes.bfloat16 (exact; what the fixture stores); read them with to_numpy."""
 
     name: str = "torch_ref"
-    # The loss variants to compute (the order errors of harness.regenerate need two of them).
+    # The loss variants to compute (the order errors of harness.run.regenerate need two of them).
     variants: tuple[str, ...] = LOSS_VARIANTS
 
     def run(self, problem, point: Point, codes: Mapping[str, np.ndarray] | None = None) -> Outputs:
@@ -675,7 +676,7 @@ class TorchReference:
 
 @dataclasses.dataclass(frozen=True)
 class Goldens:
-    """The torch outputs stored in the fixture (harness.fixtures.Fixture.goldens_of): those of
+    """The torch outputs stored in the fixture (harness.problems.fixtures.Fixture.goldens_of): those of
     the point's teacher."""
 
     name: str = "goldens"
@@ -709,7 +710,7 @@ def implementation(spec: str):
 
 @functools.lru_cache(maxsize=None)
 def _fixture(case: str, directory: str | None):
-    from .fixtures import load_case
+    from ..problems.fixtures import load_case
 
     return load_case(case, directory)
 
@@ -749,14 +750,14 @@ def _outputs_timed(spec: str, case: str, point: Point, directory: str | None) ->
             if spec == "jax" and reference_cache.enabled():
                 return _cached_jax(case, point, directory)
             return implementation(spec).run(_fixture(case, directory), point)
-        except WorkerCrash as exc:  # a call of it killed or hung a worker (harness.worker)
+        except WorkerCrash as exc:  # a call of it killed or hung a worker (harness.sides.worker)
             return Outputs(spec, error=str(exc))
     # A plug-in that raises (or returns something malformed) at a point does not stop the run:
     # the point's result says so, in one line, and every other point runs. Outside a worker
-    # process it runs in one (harness.worker): a crash or a hang is an error too.
+    # process it runs in one (harness.sides.worker): a crash or a hang is an error too.
     try:
         if not worker.inside():
-            return worker.isolated("harness.implementations:_outputs_here", spec, case, point, directory,
+            return worker.isolated("harness.sides.implementations:_outputs_here", spec, case, point, directory,
                                    label=point.label)
         return _outputs_here(spec, case, point, directory)
     except Exception as exc:  # anything the plug-in raises, or WorkerCrash
@@ -767,7 +768,7 @@ def _outputs_timed(spec: str, case: str, point: Point, directory: str | None) ->
 
 
 def _cached_reference(case: str, point: Point, directory: str | None) -> Outputs:
-    """torch_ref's outputs at `point` read from the reference cache (harness.reference_cache:
+    """torch_ref's outputs at `point` read from the reference cache (harness.sides.reference_cache:
     keyed by the fixture's bytes, the sources and versions they follow from), or computed and
     stored there."""
     problem, ref = _fixture(case, directory), implementation("torch_ref")
@@ -828,7 +829,7 @@ def _reference_at_codes_stored(case, dtype, teacher, digest, directory, codes) -
 
 
 def _cached_jax(case: str, point: Point, directory: str | None) -> Outputs:
-    """jax_impl's outputs at `point` read from the cache (harness.reference_cache.jax_key_parts:
+    """jax_impl's outputs at `point` read from the cache (harness.sides.reference_cache.jax_key_parts:
     keyed by the fixture's bytes, the point, jax_impl's source and everything its programs follow
     from), or computed and stored there."""
     problem = _fixture(case, directory)

@@ -10,13 +10,13 @@ the global inputs (jax_impl.sharded places them with `make_array_from_callback`)
 collectives (the pooling halo, the gathered keys, the psums) cross the processes. The outputs
 are then gathered to every host, and process 0 writes them, in the canonical names of
 harness.outputs, as one safetensors bundle per point. `--judge` reads the bundles and judges
-each entry with harness.collect's code: against the oracle goldens by the matrix's rule and
+each entry with harness.run.collect's code: against the oracle goldens by the matrix's rule and
 against the same knobs on one device (run by the judging process) at the tight `chunk` bound.
 
-    python -m harness.multihost --out DIR --point SPEC [--point SPEC ...]      # on every host
+    python -m harness.run.multihost --out DIR --point SPEC [--point SPEC ...]      # on every host
         [--coordinator HOST:PORT --num-processes N --process-id I]
-    python -m harness.multihost --judge DIR [--reference goldens|live]         # on one host
-    python -m harness.multihost --local 2 --devices-per-process 4 --out DIR --point SPEC ...
+    python -m harness.run.multihost --judge DIR [--reference goldens|live]         # on one host
+    python -m harness.run.multihost --local 2 --devices-per-process 4 --out DIR --point SPEC ...
 
 Without --coordinator, `jax.distributed.initialize()` discovers the processes itself (on a
 Cloud TPU slice, under SLURM, Open MPI or Kubernetes: JAX's cluster detection); where it finds
@@ -45,9 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .cases import CASES, TEACHERS
-from .matrix import BACKENDS, DTYPES, Point, entries_at, mesh_text, seq_split_reason
-from .outputs import Outputs
+from ..outputs import Outputs
+from ..points import DTYPES, Point, mesh_text
+from ..problems.cases import CASES, TEACHERS
+from ..problems.matrix import BACKENDS, entries_at, seq_split_reason
 
 AXES = ("data", "seq", "model")
 BUNDLE_FORMAT = "csa-parity multihost outputs 1"
@@ -184,8 +185,8 @@ def run_point(point: Point, process: int, count: int) -> Outputs:
     """`point`'s outputs (canonical names), computed on the global mesh by every process."""
     from jax_impl import sharded
 
-    from .fixtures import load_case
-    from .implementations import bundle_values, implementation, run_config
+    from ..problems.fixtures import load_case
+    from ..sides.implementations import bundle_values, implementation, run_config
 
     impl = implementation("jax")
     fx = load_case(point.case)
@@ -202,7 +203,7 @@ def write_bundle(out: Path, point: Point, outputs: Outputs, devices_per_process:
     """`outputs` of `point` as DIR/<spec>.outputs.safetensors (atomically), with what ran them."""
     import jax
 
-    from .fixtures import atomic_write, write_safetensors
+    from ..problems.fixtures import atomic_write, write_safetensors
 
     meta = {"format": BUNDLE_FORMAT, "point": point.spec(), "source": outputs.source,
             "missing": json.dumps(dict(outputs.missing), sort_keys=True),
@@ -216,7 +217,7 @@ def write_bundle(out: Path, point: Point, outputs: Outputs, devices_per_process:
 
 def read_bundle(path: Path) -> tuple[Point, Outputs, dict[str, str]]:
     """(the point, its Outputs, the metadata) of a bundle `write_bundle` wrote."""
-    from .fixtures import CorruptFile, read_safetensors
+    from ..problems.fixtures import CorruptFile, read_safetensors
 
     try:
         tensors, meta = read_safetensors(Path(path).read_bytes())
@@ -224,7 +225,7 @@ def read_bundle(path: Path) -> tuple[Point, Outputs, dict[str, str]]:
         raise UsageError(f"{path}: not an outputs bundle ({exc})") from None
     if meta.get("format") != BUNDLE_FORMAT:
         raise UsageError(f"{path}: format={meta.get('format')!r}, expected {BUNDLE_FORMAT!r} (written by "
-                         "python -m harness.multihost --out)")
+                         "python -m harness.run.multihost --out)")
     lacking = [k for k in BUNDLE_METADATA if k not in meta]
     if lacking:
         raise UsageError(f"{path}: its metadata lacks {', '.join(lacking)} (a bundle names what ran it)")
@@ -258,7 +259,7 @@ def host_main(args) -> int:
 
 def judge_dir(out: Path, reference: str = "goldens") -> tuple[list[dict], list[str]]:
     """Judge every bundle in `out`: each entry of its point (forward, dense, sparse) by
-    harness.collect.evaluate with the bundle's outputs as the candidate. Returns (one record per
+    harness.run.collect.evaluate with the bundle's outputs as the candidate. Returns (one record per
     check, one summary line per point)."""
     import jax
 
@@ -267,7 +268,7 @@ def judge_dir(out: Path, reference: str = "goldens") -> tuple[list[dict], list[s
     jax.config.update("jax_enable_x64", True)
     paths = sorted(Path(out).glob(f"*{BUNDLE_SUFFIX}"))
     if not paths:
-        raise UsageError(f"--judge {str(out)!r}: no *{BUNDLE_SUFFIX} there (python -m harness.multihost --out "
+        raise UsageError(f"--judge {str(out)!r}: no *{BUNDLE_SUFFIX} there (python -m harness.run.multihost --out "
                          "writes them)")
     records, lines = [], []
     for path in paths:
@@ -359,7 +360,7 @@ def launch(out: Path, points: list[str], processes: int, devices: int, deadline:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    base = [sys.executable, "-m", "harness.multihost", "--out", str(out), *[a for s in points for a in ("--point", s)],
+    base = [sys.executable, "-m", "harness.run.multihost", "--out", str(out), *[a for s in points for a in ("--point", s)],
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
             "--init-timeout", str(init_timeout), "--heartbeat-timeout", str(heartbeat_timeout),
             "--precision", precision]
@@ -418,7 +419,7 @@ def launch(out: Path, points: list[str], processes: int, devices: int, deadline:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m harness.multihost", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m harness.run.multihost", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="the directory the outputs bundles (and --local's logs) go to")
     ap.add_argument("--point", action="append", default=[],

@@ -1,7 +1,7 @@
 """The verdicts of the memory checks of head chunking, on numbers they are handed (bytes of a
 compiled program, analytic floors): tests/test_memory.py, the mutation self-test's `memory`
 check and benchmarks/memory_speed.py all judge with these. The numbers are
-harness.tolerance's MEMORY_FLOOR_FACTOR and MEMORY_GROWTH_SLACK, read when called."""
+harness.judging.tolerance's MEMORY_FLOOR_FACTOR and MEMORY_GROWTH_SLACK, read when called."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ oracle may order a boundary group differently while both are right.
 Two generators:
 
 - `boundary_tie_scores`: score rows built on purpose, in float64, judged by
-  `harness.compare.topk_sets` at the tie tolerance the harness applies at a dtype
+  `harness.judging.compare.topk_sets` at the tie tolerance the harness applies at a dtype
   (`score_tolerance`: alpha * floor(dtype) * the row's largest |score|, its smallest value:
   torch at the dtype can only raise it). Each row has clear winners, a boundary group whose
   scores agree to within half the tolerance (the same high bits at the dtype, different low
@@ -26,7 +26,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from . import tolerance
+from ..judging import tolerance
 from .cases import ISOLATE_GATE, Case, full_config, make_inputs
 
 _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
@@ -34,7 +34,7 @@ _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": 
 
 def score_tolerance(dtype: str) -> float:
     """The smallest tie tolerance the harness applies at `dtype`, relative to the row's largest
-    |score| (harness.judge.score_tolerance with torch's own error below the floor)."""
+    |score| (harness.judging.judge.score_tolerance with torch's own error below the floor)."""
     return tolerance.ALPHA["forward"] * tolerance.floor(dtype, "index_scores")
 
 

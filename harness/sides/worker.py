@@ -7,13 +7,15 @@ returns. None of that may end the process that writes the reports. So:
 - `csa-parity run` hands its points to persistent worker processes (`run_points`; `--jobs`
   of them, also with `--jobs 1`). A worker imports JAX once and runs point after point of one
   (implementation, case, dtype) group, keeping its caches (compiled programs, the torch
-  reference, fixtures). It is replaced only when it dies or when a point runs past the time
+  reference, fixtures). What it does with a point is a task named by a function reference
+  (`module:function`, harness.run.tasks for the CLI), so this module imports nothing of the
+  rooms that drive it. It is replaced only when it dies or when a point runs past the time
   limit (then it is killed).
 - In a process that is not a worker (pytest, a script calling `collect` / `evaluate`), a
   plug-in runs in one such worker of that process (`isolated`), under the same time limit;
   the built-in sides (jax, torch_ref, goldens) run in-process.
 
-Attribution. Right before each call into an implementation, harness.implementations enters
+Attribution. Right before each call into an implementation, harness.sides.implementations enters
 `stage(key, label)`, and the worker tells the parent which call started (and when it ended).
 When a worker dies or times out inside a call, the call is remembered as poisoned, with one
 line (`worker killed by signal SIGSEGV at <point>, in <impl> <call>`, `timed out after 600 s
@@ -36,7 +38,6 @@ import pickle
 import signal
 import sys
 import time
-import traceback
 from collections import deque
 
 from . import timing
@@ -126,35 +127,22 @@ def _setup(init: dict) -> None:
     if "cache_root" in init:  # csa-parity run's choice (None: no persistent cache); else the environment's
         timing.use_caches(init["cache_root"])
     timing.listen()
-    # Imported here, not inside the first point, so that a time limit measures implementations.
-    # torch is not: a point whose reference is cached or read from the goldens never needs it.
-    from . import collect  # noqa: F401
+    # The point task's module is imported here, not inside the first point, so that a time limit
+    # measures implementations. torch is not: a point whose reference is cached or read from the
+    # goldens never needs it.
+    if init.get("task"):
+        resolve(init["task"])
 
 
-def _error_records(entries, line: str) -> list[dict]:
-    """The records of `entries` when their point could not be collected: `error` with `line`."""
-    from .judge import judge
-    from .outputs import Outputs
-    from .report import record
-
-    return [record(e, r) for e in entries for r in judge(e, Outputs(e.impl, error=line), None)]
-
-
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _evaluate_point(entries, reference: str, profile: str) -> list[dict]:
-    from .collect import evaluate
-    from .report import record
-
-    try:
-        return [record(e, r) for e in entries for r in evaluate(e, reference, profile)]
-    except Exception as exc:  # the harness or a built-in side raised: the point's error, traceback on stderr
-        traceback.print_exc()
-        return _error_records(entries, f"the harness raised at {entries[0].point.label}: {_first_line(exc)} "
-                                       "(traceback on stderr)")
+def resolve(target: str):
+    """The function a task names, `module:function` (imported on first use)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _release_programs() -> None:
@@ -174,7 +162,7 @@ def _picklable(exc: BaseException) -> BaseException:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:
-        return RuntimeError(_first_line(exc))
+        return RuntimeError(first_line(exc))
 
 
 def _main(conn, init: dict) -> None:
@@ -195,16 +183,15 @@ def _main(conn, init: dict) -> None:
         if msg[0] == "point":
             _, entries, reference, profile, _ = msg
             before, start = timing.snapshot(), time.perf_counter()
-            records = _evaluate_point(entries, reference, profile)
+            records = resolve(init["task"])(entries, reference, profile)
             _release_programs()
             conn.send(("done", records, time.perf_counter() - start, _RETIRE, timing.split(before, timing.snapshot())))
         elif msg[0] == "call":
             _, target, args, path, _ = msg
             sys.path[:] = path
             importlib.invalidate_caches()
-            module, _, name = target.partition(":")
             try:
-                result = getattr(importlib.import_module(module), name)(*args)
+                result = resolve(target)(*args)
                 conn.send(("result", result, _RETIRE))
             except Exception as exc:
                 note_failure(exc)
@@ -303,14 +290,17 @@ def _ready(w: _Worker) -> _Worker:
 
 
 def run_points(groups, reference: str, profile: str, init: dict, jobs: int, timeout: float, on_done,
-               started=()) -> None:
+               error_records, started=()) -> None:
     """Evaluate every point of `groups` (lists of (point, entries), one (implementation, case,
-    dtype) each) in `jobs` persistent workers; `on_done(point, entries, records, wall_s, split)` as
-    each point ends (`split`: harness.timing.split's shares and program counts; None for a point
+    dtype) each) in `jobs` persistent workers: each point's entries go to the task `init["task"]`
+    names (`module:function(entries, reference, profile) -> records`), imported by the worker
+    at its start. `on_done(point, entries, records, wall_s, split)` as
+    each point ends (`split`: harness.sides.timing.split's shares and program counts; None for a point
     that crashed or timed out). A worker that dies, or runs one point longer than `timeout` seconds (then
     it is killed), is replaced; the point runs again with the call it was in poisoned (up to
-    MAX_RERUNS times), or, if it died outside any call, gets `error` as a whole. `started`: workers
-    of `spawn` (same `init`) to use first; every one is ended when this returns."""
+    MAX_RERUNS times), or, if it died outside any call, gets `error_records(entries, line)` as a
+    whole. `started`: workers of `spawn` (same `init`) to use first; every one is ended when this
+    returns."""
     pending = deque(deque(g) for g in groups if g)
     started = list(started)
     poison: dict[tuple[str, str], str] = {}
@@ -372,7 +362,7 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                     reruns[point] = tries + 1
                     queue.appendleft(w.task)
                 else:
-                    on_done(point, entries, _error_records(entries, line), elapsed, None)
+                    on_done(point, entries, error_records(entries, line), elapsed, None)
                 slots[i] = (_start({**init, "poison": poison}), queue) if queue or pending else None
             slots = [s for s in slots if s is not None]
     finally:

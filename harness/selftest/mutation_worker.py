@@ -1,11 +1,11 @@
-"""Subprocess of the mutation self-test (harness/mutations.py): import jax_impl from a
+"""Subprocess of the mutation self-test (harness/selftest/mutations.py): import jax_impl from a
 (mutated) copy, run a matrix slice against the fixture goldens (collect -> judge, like the matrix), print a
 JSON report.
 
-    python -m harness.mutation_worker --impl-root DIR [--point case:dtype:ichunk:tchunk ...]
+    python -m harness.selftest.mutation_worker --impl-root DIR [--point case:dtype:ichunk:tchunk ...]
                                       [--problem PINNED_NAME ...] [--memory] [--kernel]
 
-(`run()` is the same in a function: harness.mutations calls it in a child forked from a
+(`run()` is the same in a function: harness.selftest.mutations calls it in a child forked from a
 server that has already imported jax, which saves ~2 s of imports per mutant.)
 
 The package is installed editable: setuptools' meta-path finder maps `jax_impl` and
@@ -33,7 +33,7 @@ import traceback
 import numpy as np
 
 PACKAGE = "jax_impl"
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _RedirectFinder(importlib.abc.MetaPathFinder):
@@ -75,7 +75,7 @@ def foreign_modules(root: str) -> list[str]:
 
 def memory_check() -> dict:
     """tests/test_memory.py's floor bound, on the mutated copy: chunk 1 holds at most
-    harness.tolerance.MEMORY_FLOOR_FACTOR x the analytic floor."""
+    harness.judging.tolerance.MEMORY_FLOOR_FACTOR x the analytic floor."""
     from benchmarks.memory_speed import (
         TEST_BATCH as MEMORY_BATCH,
         TEST_SEQ as MEMORY_SEQ,
@@ -83,8 +83,8 @@ def memory_check() -> dict:
         analytic_floor,
         compiled_temp_bytes,
     )
-    from harness.memory_bounds import within_floor_factor
-    from harness.tolerance import MEMORY_FLOOR_FACTOR as MEMORY_FACTOR
+    from ..judging.memory_bounds import within_floor_factor
+    from ..judging.tolerance import MEMORY_FLOOR_FACTOR as MEMORY_FACTOR
     from jax_impl import CSAConfig
 
     cfg = CSAConfig(**MEMORY_SHAPE, indexer_head_chunk=1, loss_head_chunk=1)
@@ -121,7 +121,7 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
     os.environ["JAX_ENABLE_X64"] = "1"
     import jax
 
-    from harness.matrix import Point
+    from ..points import Point
 
     meshes = [p.mesh for p in (Point.parse(s) if isinstance(s, str) else s for s in points) if p.mesh]
     if meshes:  # sharded points: simulated CPU devices, set before the backend starts (it has not yet)
@@ -144,8 +144,9 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
     if foreign:
         raise ForeignImport(f"jax_impl not imported from {impl_root}: {foreign}")
 
-    from harness.collect import evaluate
-    from harness.matrix import Point, entries_at
+    from ..points import Point
+    from ..problems.matrix import entries_at
+    from ..run.collect import evaluate
 
     failed, checks, error = [], 0, ""
     for spec in points:
@@ -159,9 +160,9 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
             error = f"{p.spec()}: {type(exc).__name__}: {exc}"
             failed.append({"check": "crash", "quantity": "-", "context": p.spec(), "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
-    for name in problems:  # pinned random problems (harness.random_configs), live against torch
+    for name in problems:  # pinned random problems (harness.problems.random_configs), live against torch
         try:
-            from harness.random_configs import PINNED, check_problem
+            from ..problems.random_configs import PINNED, check_problem
 
             results = check_problem(PINNED[name]).results
             checks += len(results)
@@ -170,9 +171,9 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
             error = f"problem {name}: {type(exc).__name__}: {exc}"
             failed.append({"check": "crash", "quantity": "-", "context": f"problem {name}", "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
-    if kernel:  # the Pallas kernels against the XLA path, partial tiles (harness.kernel_check)
+    if kernel:  # the Pallas kernels against the XLA path, partial tiles (harness.sides.kernel_check)
         try:
-            from harness.kernel_check import kernel_check
+            from ..sides.kernel_check import kernel_check
 
             results = kernel_check()
             checks += len(results)
@@ -206,7 +207,7 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
 
 
 def forked(conn, kwargs) -> None:
-    """Entry point of a child forked by harness.mutations: run(**kwargs), the report (or the
+    """Entry point of a child forked by harness.selftest.mutations: run(**kwargs), the report (or the
     traceback) sent back through `conn`."""
     try:
         conn.send(("ok", run(**kwargs)))
@@ -217,13 +218,13 @@ def forked(conn, kwargs) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.mutation_worker")
+    ap = argparse.ArgumentParser(prog="python -m harness.selftest.mutation_worker")
     ap.add_argument("--impl-root", required=True, help="directory holding the jax_impl copy to import")
     ap.add_argument("--point", action="append", default=[], help="case:dtype:ichunk:tchunk[:qchunk] (repeatable)")
     ap.add_argument("--problem", action="append", default=[],
-                    help="a pinned random problem of harness.random_configs (repeatable; live torch)")
+                    help="a pinned random problem of harness.problems.random_configs (repeatable; live torch)")
     ap.add_argument("--memory", action="store_true", help="run the compile-only memory check")
-    ap.add_argument("--kernel", action="store_true", help="run the Pallas kernel check (harness.kernel_check)")
+    ap.add_argument("--kernel", action="store_true", help="run the Pallas kernel check (harness.sides.kernel_check)")
     ap.add_argument("--reference", default="goldens", choices=["goldens", "live"])
     ap.add_argument("--cache-dir", help="JAX persistent compilation cache shared by workers (optional)")
     args = ap.parse_args(argv)

@@ -18,7 +18,7 @@ point, so what a worker caches in memory from one point to the next shows as the
 
 The caches live under one directory (`cache_root`): `xla/`, JAX's persistent compilation cache,
 and `reference/`, the live reference's and the built-in JAX implementation's outputs
-(harness.reference_cache: a rerun of an unchanged jax_impl reads a point's outputs back). JAX keys each program
+(harness.sides.reference_cache: a rerun of an unchanged jax_impl reads a point's outputs back). JAX keys each program
 by the program itself (its StableHLO, the compile options, the jax and jaxlib versions, the
 backend and the flags that change code generation), so an edited `jax_impl` that compiles to
 another program misses and is compiled, and an entry can never be served to a program it was

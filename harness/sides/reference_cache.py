@@ -42,11 +42,11 @@ from pathlib import Path
 # its points about 10 times more (each point holds every loss variant's gradients).
 MAX_BYTES = 1 << 30
 _ROOT: Path | None = None
-_HARNESS = Path(__file__).resolve().parent
+_HARNESS = Path(__file__).resolve().parents[1]
 # The code that decides a cached value: the reference package (wherever it is imported from) and
 # the harness modules that call it and map its results to canonical names, and the vocabulary
 # those names come from.
-HARNESS_SOURCES = ("implementations.py", "outputs.py", "compare.py")
+HARNESS_SOURCES = ("sides/implementations.py", "outputs.py", "judging/compare.py")
 
 
 def use(root: str | None) -> None:
@@ -81,7 +81,7 @@ def sources_sha() -> str:
     files += [("harness", _HARNESS / name) for name in HARNESS_SOURCES]
     h = hashlib.sha256()
     for root, f in files:
-        name = f.relative_to(package) if root == "torch_ref" else f.name
+        name = f.relative_to(package if root == "torch_ref" else _HARNESS)
         h.update(f"{root}/{name}".encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 

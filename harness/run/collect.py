@@ -1,8 +1,8 @@
 """Collect, then judge: the one path from a matrix entry to its results.
 
-    outputs, references = collect(entry, reference)       # harness.implementations (cached)
-    results = judge(entry, outputs, references, policy)   # harness.judge (pure)
-    record(entry, result) for each result                 # harness.report
+    outputs, references = collect(entry, reference)       # harness.sides.implementations (cached)
+    results = judge(entry, outputs, references, policy)   # harness.judging.judge (pure)
+    record(entry, result) for each result                 # harness.run.report
 
 `evaluate` is the three steps in one call; tests/test_parity_matrix.py, the CLI workers
 and the mutation worker all use it.
@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import platforms
-from .cases import CASES
-from .compare import CheckResult
-from .implementations import forward_stages, order_errors, outputs, reference_at_codes, reference_name, stage_references
-from .judge import first_divergence, judge, stage_checks
-from .matrix import Entry, Point
-from .outputs import (CODE_QUANTITIES, FAILED, FORWARD_QUANTITIES, OWN, STAGE_MODE, Outputs, References, kind_of,
-                      output_name, stage_of)
-from .tolerance import Policy
+from .. import platforms
+from ..judging.compare import CheckResult
+from ..judging.judge import first_divergence, judge, stage_checks
+from ..judging.tolerance import Policy
+from ..outputs import (CODE_QUANTITIES, FAILED, FORWARD_QUANTITIES, OWN, STAGE_MODE, Outputs, References, kind_of,
+                       output_name, stage_of)
+from ..points import Entry, Point
+from ..problems.cases import CASES
+from ..sides.implementations import (forward_stages, order_errors, outputs, reference_at_codes, reference_name,
+                                     stage_references)
 
 
 def dims(case: str) -> dict[str, int]:
-    """The problem sizes the reduction-length floors read (harness.tolerance.reduction_length)."""
+    """The problem sizes the reduction-length floors read (harness.judging.tolerance.reduction_length)."""
     c = CASES[case]
     cfg = c.config
     return {"B": c.batch, "S": c.seq_len, "W": c.num_blocks, "HI": cfg["index_n_heads"],
@@ -47,7 +48,7 @@ def collect(entry: Entry, reference: str = "live", candidate: Outputs | None = N
     dtype with its stored order errors, and the candidate's own run at `point.native`
     (chunked: unchunked; sharded: the same knobs on one device).
 
-    `candidate`: outputs computed elsewhere (the two-process form, harness.multihost, reads
+    `candidate`: outputs computed elsewhere (the two-process form, harness.run.multihost, reads
     them back from the bundle its processes wrote) instead of `outputs(entry.impl, ...)` here;
     the references, the native run included, are collected here as for any point."""
     p, ref = entry.point, reference_name(reference)
@@ -152,7 +153,7 @@ def _own_error(entry: Entry, sides) -> Outputs | None:
 def evaluate(entry: Entry, reference: str = "live", profile: str = "highest",
              candidate: Outputs | None = None) -> list[CheckResult]:
     """Every check of one entry. `profile` picks the tolerance profile matching the matmul
-    precision the candidate ran at (harness.tolerance.PROFILES); `candidate`: outputs computed
+    precision the candidate ran at (harness.judging.tolerance.PROFILES); `candidate`: outputs computed
     elsewhere (`collect`)."""
     candidate, references = collect(entry, reference, candidate)
     results = judge(entry, candidate, references, policy(profile))
@@ -167,7 +168,7 @@ GOLDENS_NO_STAGES = ("first diverging stage unknown: the goldens store no interm
 
 
 def diagnose(entry: Entry, reference: str = "live", profile: str = "highest") -> str:
-    """The first-diverging-stage line of a failed entry (harness.judge.first_divergence): the
+    """The first-diverging-stage line of a failed entry (harness.judging.judge.first_divergence): the
     candidate's forward intermediates (native path, the entry's dtype and loss variant; a
     sparse entry with the oracle's selection) against the live reference's in float64, with
     the reference's own at the dtype as the baseline. Only for failed entries."""

@@ -30,8 +30,8 @@ def _csv(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..problems.matrix import SAMPLES
     from . import regenerate
-    from .matrix import SAMPLES
 
     p = argparse.ArgumentParser(prog="csa-parity", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -46,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="joint,compressed: the loss's teacher (default: both, on every case)")
     run.add_argument("--backends", type=_csv(str), default=["xla"],
                      help="xla,pallas: jax_impl's scoring backends (default: xla; pallas runs its own sample "
-                          "of points, harness/matrix.py; off TPU the Pallas kernels run in interpret mode)"),
+                          "of points, harness/problems/matrix.py; off TPU the Pallas kernels run in interpret mode)"),
     run.add_argument("--sample", default="default", choices=list(SAMPLES),
-                     help="which chunk points the matrix samples (harness/matrix.py): default, ci (the "
+                     help="which chunk points the matrix samples (harness/problems/matrix.py): default, ci (the "
                      "subset `make test` runs) or full (the whole chunk cross product, slow)")
     run.add_argument("--full", action="store_true", help="the same as --sample full")
     run.add_argument("--impl", default="jax",
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="live torch_ref (default) or the fixture goldens (JAX-only, no torch)")
     run.add_argument("--precision", default="highest", choices=["highest", "default"],
                      help="JAX default matmul precision for the run, and the tolerance profile it is "
-                     "judged with (harness/tolerance.py; default: highest)")
+                     "judged with (harness/judging/tolerance.py; default: highest)")
     run.add_argument("--out", default="reports", help="report directory (default: reports)")
     run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_chunks(case: str, knob: str, heads_name: str, chunks) -> None:
     """A head chunk size is 0 (no chunking) or a divisor of the head count: the harness's own
-    rule (harness.matrix.divisors), whatever implementation --impl names."""
-    from .cases import get_case
-    from .matrix import divisors
+    rule (harness.problems.matrix.divisors), whatever implementation --impl names."""
+    from ..problems.cases import get_case
+    from ..problems.matrix import divisors
 
     heads = get_case(case).config[heads_name]
     valid = [0, *divisors(heads)]
@@ -111,9 +111,9 @@ def _validate_run_args(args, listing: bool = False) -> None:
 
 def _check_selection(args) -> None:
     """The arguments' own rules (names, chunk sizes, counts): cheap, nothing imported or read."""
-    from .cases import CASES, TEACHERS, get_case
-    from .matrix import DTYPES
-    from .outputs import MODES
+    from ..outputs import MODES
+    from ..points import DTYPES
+    from ..problems.cases import CASES, TEACHERS, get_case
 
     for name in args.cases or []:
         get_case(name)
@@ -141,9 +141,9 @@ def _check_sources(args, listing: bool = False) -> None:
     """What the run reads and writes: the implementation imports, every selected fixture loads
     (a damaged one is one line on stderr, before the progress bar starts), the report directory
     is writable."""
-    from .cases import CASES
-    from .fixtures import load_case
-    from .implementations import BUILTINS, load_implementation
+    from ..problems.cases import CASES
+    from ..problems.fixtures import load_case
+    from ..sides.implementations import BUILTINS, load_implementation
 
     if not (listing and args.impl in BUILTINS):  # --list of the built-in side needs no JAX
         load_implementation(args.impl)
@@ -223,10 +223,10 @@ def _stage_entries(entries, impl: str):
     """A stage plug-in runs native points only (chunks are the pipeline's knobs): every
     matrix entry there (reported not provided, counted) plus its stage's entries; the
     quantizer's at the points of the cases that quantize (index_quant) only."""
-    from .cases import CASES
-    from .implementations import BUILTINS, StageImplementation, load_implementation
-    from .matrix import Entry
-    from .outputs import STAGE_MODE, stage_quantities
+    from ..outputs import STAGE_MODE, stage_quantities
+    from ..points import Entry
+    from ..problems.cases import CASES
+    from ..sides.implementations import BUILTINS, StageImplementation, load_implementation
 
     if impl in BUILTINS:
         return entries
@@ -261,10 +261,11 @@ def _chunk_label(point) -> str:
 
 def selection_lines(entries, sample: str) -> list[str]:
     """What a run of `entries` holds, without running it: cases, dtypes, the chunk points of each
-    case x dtype x teacher, the entries per mode, and the compiled programs (harness.matrix.programs_at
+    case x dtype x teacher, the entries per mode, and the compiled programs (harness.problems.matrix.programs_at
     per point, and the native points that chunked points are compared with and the selection
     leaves out)."""
-    from .matrix import DTYPES, programs_at
+    from ..points import DTYPES
+    from ..problems.matrix import programs_at
 
     points = sorted({e.point for e in entries})
     cases = list(dict.fromkeys(e.point.case for e in entries))  # catalogue order
@@ -299,9 +300,10 @@ def selection_lines(entries, sample: str) -> list[str]:
 
 
 def run(args) -> int:
-    from . import worker
-    from .matrix import build_matrix
-    from .timing import cache_root
+    from ..problems.matrix import build_matrix
+    from ..sides import worker
+    from ..sides.timing import cache_root
+    from .tasks import TASK
 
     began = time.time()
     _check_selection(args)
@@ -312,7 +314,7 @@ def run(args) -> int:
     if cache_dir is not None and not args.list:
         _check_writable(cache_dir, "cache directory", "choose another with --cache-dir, or run with --no-cache")
     init = {"precision": args.precision, "fixtures_dir": os.environ.get("CSA_PARITY_FIXTURES"),
-            "sys_path": list(sys.path), "cache_root": cache_dir}
+            "sys_path": list(sys.path), "cache_root": cache_dir, "task": TASK}
     # The workers start now: their imports overlap this process's own (the implementation, the
     # fixtures, JAX's platform), which a run of one point would otherwise wait for twice.
     started = [] if args.list else worker.spawn(init, min(args.jobs, len({e.group for e in entries})))
@@ -323,10 +325,11 @@ def run(args) -> int:
 
 
 def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
+    from ..sides.timing import COUNTS
+    from ..sides.worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
     from .report import (attach_reruns, cache_line, code_ties_text, error_lines, failure_lines, format_table,
                          profile_lines, status_line, summarise, table, time_split, write_reports)
-    from .timing import COUNTS
-    from .worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
+    from .tasks import error_records
 
     _check_sources(args, listing=args.list)
     entries = _stage_entries(entries, args.impl)
@@ -343,7 +346,7 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     n_points = sum(len(g) for g in ordered)
     records: list[dict] = []
     walls: list[tuple[float, str]] = []
-    splits: dict[str, dict] = {}  # point label -> harness.timing.split
+    splits: dict[str, dict] = {}  # point label -> harness.sides.timing.split
     cache_dir, fixtures_dir = init["cache_root"], init["fixtures_dir"]
     timeout = args.timeout if args.timeout is not None else timeout_from_env()
     _init_worker(args.precision, fixtures_dir)
@@ -397,7 +400,8 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     interrupted = None
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        run_points(ordered, args.reference, args.precision, init, args.jobs, timeout, done, started=started)
+        run_points(ordered, args.reference, args.precision, init, args.jobs, timeout, done, error_records,
+                   started=started)
     except KeyboardInterrupt:
         interrupted = "interrupted (Ctrl-C)", 130
     except _Interrupted:

@@ -8,7 +8,7 @@ mismatch. Each kind of check has one message template (`CheckResult.message`):
              were excused, the first differing query;
   isolation  how many input-gradient elements are not exactly 0, the largest, where;
   codes      how many quantized codes or scales differ beyond a boundary tie, how many ties
-             were excused, the first unexcused difference (harness.codes);
+             were excused, the first unexcused difference (harness.judging.codes);
   status     not provided / not applicable: why.
 
 All errors are *normalised* so one bound serves tensors of any scale:
@@ -18,7 +18,7 @@ All errors are *normalised* so one bound serves tensors of any scale:
   - scalars: |x - ref| / |ref| (absolute when ref == 0).
 
 The top-k tie rule (`topk_sets`) is the only one in the project: the judge and the
-fixture `--check` (harness.regenerate) both call it.
+fixture `--check` (harness.run.regenerate) both call it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES
+from ..outputs import ERROR, EXCUSED, FAILED, NOT_APPLICABLE, NOT_PROVIDED, PASSED, STATUSES
 
 
 def to_numpy(x: Any) -> np.ndarray:
@@ -227,7 +227,7 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
     """SPEC section 10: err(candidate) <= alpha * max(err(torch at the same dtype), floor).
 
     `order_error`: torch@t's worst error over K equivalent evaluation orders,
-    stored in the fixture (harness.regenerate.order_errors); err(torch at t) is then the
+    stored in the fixture (harness.run.regenerate.order_errors); err(torch at t) is then the
     larger of it and the error of `torch_at_dtype` handed in."""
     t_err, _, _ = normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)
     one_order = t_err
@@ -242,7 +242,7 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
 
 def exactly_zero(quantity: str, grads: dict, check: str = "isolation", bound: float = 0.0) -> CheckResult:
     """Input-gradient isolation: every |gradient| at most `bound` (the judge's is
-    harness.tolerance.ISOLATION, 0: exactly 0); NaN never is."""
+    harness.judging.tolerance.ISOLATION, 0: exactly 0); NaN never is."""
     worst, where, count, total, name_at = 0.0, None, 0, 0, ""
     for name, g in grads.items():
         g = to_numpy(g).astype(np.float64)

@@ -7,8 +7,8 @@ that must catch it and the checks expected to do so. The committed source is nev
 touched: `run_mutant` copies `jax_impl/` into a temporary directory, applies the
 text patch there, and runs the slice in a process of its own that imports the mutated
 copy in place of the installed package and judges it against the fixture goldens (no
-torch): `harness.mutation_worker.run`, in a child forked from a server that has already
-imported jax (~2 s less per mutant), or `python -m harness.mutation_worker` where there is
+torch): `harness.selftest.mutation_worker.run`, in a child forked from a server that has already
+imported jax (~2 s less per mutant), or `python -m harness.selftest.mutation_worker` where there is
 no fork server. `run_clean` runs the same machinery on an unmutated copy: every slice
 must pass there, so a mutant that fails does so because of its mutation. The workers of
 one run share a JAX persistent compilation cache (keyed by the compiled HLO, so a
@@ -25,14 +25,14 @@ check (the analytic-floor bound of tests/test_memory.py) kills it.
 
 Some mistakes no committed case can reveal (a field every case leaves at one
 value: m = 4, norm_eps, rope_theta, loss_scale, head_dim == index_head_dim). Their entries name
-`problems`: pinned random problems of harness/random_configs.py, which the worker runs live
+`problems`: pinned random problems of harness/problems/random_configs.py, which the worker runs live
 against torch_ref (float64 exact and chunk checks), and `killing_test` names the test of the
 suite that runs that problem (tests/test_random_configs.py::test_pinned_problem[NAME]); the
 other entries are killed by the parity matrix (tests/test_parity_matrix.py), of which their
 slice is a part.
 
-    python -m harness.mutations              # every mutant, in parallel; prints the kill table
-    python -m harness.mutations --only NAME  # some of them
+    python -m harness.selftest.mutations              # every mutant, in parallel; prints the kill table
+    python -m harness.selftest.mutations --only NAME  # some of them
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .matrix import Point  # the one Point: a slice runs every mode and quantity at it
+from ..points import Point  # the one Point: a slice runs every mode and quantity at it
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "jax_impl"
 
 STAGES = ("pooling", "rope", "scoring", "chunking", "loss", "precision", "quantization")
@@ -74,7 +74,7 @@ SMALL_BF16_ICHUNK = Point("small", "bfloat16", ichunk=2)
 # holds 4 padding rows; float64, where `exact64` and the `chunk` check against native see any
 # row out of place.
 TINY64_QCHUNK = Point("tiny", "float64", qchunk=5)
-# The joint teacher's and YaRN's cases (harness/cases.py), float64.
+# The joint teacher's and YaRN's cases (harness/problems/cases.py), float64.
 SINK_ONLY64 = Point("sink_only", "float64")
 YARN64 = Point("yarn_tail", "float64")
 # The sequence split over 4 devices (mesh data 1 x seq 4 x model 1: 8 rows each, 2 blocks each):
@@ -106,12 +106,12 @@ class Mutant:
     mistake: str
     more: tuple[tuple[str, str], ...] = ()
     memory: bool = False
-    # Pinned random problems (harness.random_configs.PINNED) to run as well, live against
+    # Pinned random problems (harness.problems.random_configs.PINNED) to run as well, live against
     # torch: for the mistakes that no committed case reveals.
     problems: tuple[str, ...] = ()
     # The test of the suite that kills it (the matrix slice above is that test's subset).
     killing_test: str = "tests/test_parity_matrix.py"
-    # Run the `kernel` check (harness.kernel_check: the Pallas kernels against the XLA path on
+    # Run the `kernel` check (harness.sides.kernel_check: the Pallas kernels against the XLA path on
     # problems with partial tiles, interpret mode) as well.
     kernel: bool = False
 
@@ -491,7 +491,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         killing_test="tests/test_random_configs.py::test_pinned_problem[m1_single_head]",
     ),
     # ------------------------------------------------- the Pallas scoring kernels (jax_impl/kernels)
-    # Killed by the `kernel` check (harness.kernel_check: float64 with partial square tiles, where
+    # Killed by the `kernel` check (harness.sides.kernel_check: float64 with partial square tiles, where
     # interpret mode reads NaN past the end, and bfloat16 inputs), run by tests/test_pallas.py.
     Mutant(
         "kernel_tile_edge_off_by_one", "scoring", "kernels/scores.py",
@@ -651,7 +651,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     # Round half away from zero (C's round(), a float8 cast written by hand): only a value exactly
     # on a midpoint tells it from half to even, and only the planted case puts values there, exact
     # in every dtype. The codes' `oracle` check excuses no tie where the value is exact
-    # (harness.codes), so it kills it in float64 here and in every dtype in the matrix.
+    # (harness.judging.codes), so it kills it in float64 here and in every dtype in the matrix.
     Mutant("quant_round_half_away", "quantization", "quant.py",
            "    return jnp.sign(v) * (jnp.round(mag / spacing) * spacing)\n",
            "    return jnp.sign(v) * (jnp.floor(mag / spacing + 0.5) * spacing)\n",
@@ -685,7 +685,7 @@ def patch_copy(mutant: Mutant | None, dst: Path, src: Path | None = None) -> Pat
     shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     if mutant is not None:
         apply_edits(target / mutant.module, mutant.name, mutant.edits, f"{PACKAGE}/{mutant.module}",
-                    "harness/mutations.py")
+                    "harness/selftest/mutations.py")
     return target
 
 
@@ -709,13 +709,13 @@ def apply_edits(path: Path, name: str, edits, shown: str, catalogue: str) -> Non
 # What the fork server imports once, so that each mutant's process starts with them: everything
 # the worker needs except jax_impl, which every child imports from its own copy. Importing jax
 # does not start its backend (no threads, no devices), so forking after it is safe.
-PRELOAD = ("numpy", "jax", "harness.compare", "harness.judge", "harness.matrix", "harness.outputs",
-           "harness.mutation_worker")
+PRELOAD = ("numpy", "jax", "harness.judging.compare", "harness.judging.judge", "harness.problems.matrix", "harness.outputs",
+           "harness.selftest.mutation_worker")
 
 
 def default_method() -> str:
     """`forkserver` (a child forked per mutant from a server holding PRELOAD: ~2 s less per
-    mutant) where the platform has it, else `subprocess` (`python -m harness.mutation_worker`)."""
+    mutant) where the platform has it, else `subprocess` (`python -m harness.selftest.mutation_worker`)."""
     import multiprocessing
 
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "subprocess"
@@ -725,7 +725,7 @@ def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float
                 kernel: bool = False) -> dict:
     import multiprocessing
 
-    from harness.mutation_worker import forked
+    from .mutation_worker import forked
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # used when the server starts (first call)
@@ -766,7 +766,7 @@ def stop_forkserver() -> None:
 
 def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=(),
                     kernel: bool = False) -> dict:
-    cmd = [sys.executable, "-m", "harness.mutation_worker", "--impl-root", str(impl_root)]
+    cmd = [sys.executable, "-m", "harness.selftest.mutation_worker", "--impl-root", str(impl_root)]
     for p in points:
         cmd += ["--point", p.spec()]
     for name in problems:
@@ -789,7 +789,7 @@ def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: f
 def run_worker(impl_root: Path, points, memory: bool, cache_dir: str | os.PathLike | None = None,
                timeout: float = 600.0, method: str | None = None, problems: tuple[str, ...] = (),
                kernel: bool = False) -> dict:
-    """Run the worker (harness/mutation_worker.py) on the jax_impl copy under impl_root in a
+    """Run the worker (harness/selftest/mutation_worker.py) on the jax_impl copy under impl_root in a
     process of its own; its report. `cache_dir`: a JAX persistent compilation cache shared
     by the workers of one run. `method`: `forkserver` or `subprocess` (default_method())."""
     method = method or default_method()
@@ -871,7 +871,7 @@ def select(catalogue, only: str | None, patch) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.mutations", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.selftest.mutations", description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated mutant names (default: all)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers")
     ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
@@ -881,7 +881,7 @@ def main(argv=None) -> int:
     try:
         chosen = select(CATALOGUE, args.only, patch_copy)
     except MutationError as exc:
-        print(f"harness.mutations: error: {exc}", file=sys.stderr)
+        print(f"harness.selftest.mutations: error: {exc}", file=sys.stderr)
         return 2
     start = time.time()
     outcomes: dict[str, Outcome] = {}

@@ -1,6 +1,6 @@
 """The fixture file format (SPEC section 9): schema, codec, manifest, load and validation.
 
-One `fixtures/<case>.safetensors` per catalogue entry (`harness.cases`) holds
+One `fixtures/<case>.safetensors` per catalogue entry (`harness.problems.cases`) holds
   - the inputs of SPEC section 4 (float32; `position_ids`, `segment_ids` int32),
   - the six float32 parameters of SPEC section 3 under their canonical names,
   - goldens `golden.<dtype>.<name>` from `torch_ref`, for dtype in float64 (the
@@ -31,7 +31,7 @@ bytes (`safetensors.deserialize`) and widen them exactly:
 
 This module imports neither torch nor any implementation: fixtures are validated by
 the harness's own rules (tests/test_layering.py). Regeneration and `--check` are
-harness.regenerate.
+harness.run.regenerate.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..outputs import CODE_QUANTITIES, ROTATED_NAMES
 from .cases import CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, TEACHERS, Case
-from .outputs import CODE_QUANTITIES, ROTATED_NAMES
 
 SCHEMA_VERSION = 4
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FIXTURES_DIR = REPO_ROOT / "fixtures"
 MANIFEST_NAME = "MANIFEST.json"
 REGENERATE = "python scripts/regenerate_fixtures.py"
@@ -63,8 +63,8 @@ VERSION_KEYS = ("torch_version", "numpy_version", "csa_parity_version")
 
 # Per low dtype, the reference's own error against the float64 oracle is stored as
 # the max over K equivalent evaluation orders, `golden.<dtype>.orderr.<name>` (a float64
-# scalar), for the names the oracle checks compare (harness.judge): the forward values and the
-# dense and sparse-at-oracle loss and gradients. How they are computed: harness.regenerate.
+# scalar), for the names the oracle checks compare (harness.judging.judge): the forward values and the
+# dense and sparse-at-oracle loss and gradients. How they are computed: harness.run.regenerate.
 ORDERR_QUANTITIES = ("compressed_keys", "index_scores", "loss.dense", "loss.sparse_at_oracle",
                      *(f"grad.{variant}.{p}" for variant in ("dense", "sparse_at_oracle") for p in PARAM_NAMES))
 # The names that depend on the teacher: a case that lists the `compressed` teacher also stores
@@ -170,7 +170,7 @@ def golden_schema(case: Case) -> dict[str, tuple[tuple[int, ...], str, str]]:
     oracle's own top-k as `selection` (docs/plugins.md): loss.sparse_at_oracle,
     grad.sparse_at_oracle.<param>; and orderr.<name> [] float64 for each name of
     ORDERR_QUANTITIES: the reference's worst error at that dtype over K evaluation orders
-    (computed by harness.regenerate.order_errors).
+    (computed by harness.run.regenerate.order_errors).
     All of the above is the joint teacher's. For each other teacher the case lists
     (`Case.teachers`), its loss and gradient goldens and their order errors again, under
     `golden.<dtype>.<teacher>.<name>`.
@@ -371,7 +371,7 @@ def read_safetensors(data: bytes) -> tuple[dict[str, RawTensor], dict[str, str]]
 
 def case_metadata(case: Case) -> dict[str, str]:
     """The identifying metadata of a case's file (the generator versions are added by
-    harness.regenerate)."""
+    harness.run.regenerate)."""
     return {
         "schema_version": str(SCHEMA_VERSION),
         "case": case.name,
@@ -518,7 +518,7 @@ def load_case(name: str, fixtures_dir: str | os.PathLike | None = None, *,
     fixtures_dir = Path(fixtures_dir) if fixtures_dir is not None else FIXTURES_DIR
     if name not in CASES:
         raise FixtureError(f"unknown case {name!r} (valid: {', '.join(CASES)}); a new case is "
-                           f"a new entry in harness/cases.py, then {fix_command(name, fixtures_dir)}")
+                           f"a new entry in harness/problems/cases.py, then {fix_command(name, fixtures_dir)}")
     case = CASES[name]
     path = fixtures_dir / f"{name}.safetensors"
     shown, fix = display_path(path), fix_command(name, fixtures_dir)
@@ -549,7 +549,7 @@ def load_case(name: str, fixtures_dir: str | os.PathLike | None = None, *,
         validate_config(config)
     except (ValueError, TypeError) as e:
         raise FixtureError(f"{shown}: its config no longer validates: {e}. Fix case {name!r} "
-                           f"in harness/cases.py if needed, then regenerate with {fix}") from None
+                           f"in harness/problems/cases.py if needed, then regenerate with {fix}") from None
     stored = {"config": config, "batch": metadata.get("batch"), "seq_len": metadata.get("seq_len"),
               "seed": metadata.get("seed")}
     wanted = {"config": case.config_dict(), "batch": str(case.batch),
@@ -559,7 +559,7 @@ def load_case(name: str, fixtures_dir: str | os.PathLike | None = None, *,
             detail = _dict_diff(stored[key], wanted[key]) if key == "config" else \
                 f"file {stored[key]!r}, catalogue {wanted[key]!r}"
             raise FixtureError(f"{shown} was written for another {key} than case {name!r} in "
-                               f"harness/cases.py ({detail}): regenerate it with {fix}")
+                               f"harness/problems/cases.py ({detail}): regenerate it with {fix}")
 
     schema = tensor_schema(case)
     for tname, (shape, dt, dims) in schema.items():

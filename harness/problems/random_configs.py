@@ -29,10 +29,10 @@ judged; the tie only decides which block is picked). The number of excused ties 
 
 Nothing here draws problems: tests/test_random_configs.py does, with hypothesis. `PINNED` are
 the problems that every run includes (one per value class the catalogue lacks, and the
-mutants of harness/mutations.py that need them); the config-field audit counts them.
+mutants of harness/selftest/mutations.py that need them); the config-field audit counts them.
 
-    python -m harness.random_configs --repro '<problem json>'   # rerun one problem, exit 1 on failure
-    python -m harness.random_configs --pinned NAME               # a pinned problem by name
+    python -m harness.problems.random_configs --repro '<problem json>'   # rerun one problem, exit 1 on failure
+    python -m harness.problems.random_configs --pinned NAME               # a pinned problem by name
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from . import tolerance
+from ..judging import tolerance
+from ..judging.compare import CheckResult, compare_close, exactly_zero, identical, topk_sets
+from ..outputs import PARAM_NAMES
 from .cases import CONFIG_FIELDS, PROBLEM_FIELDS, Case, make_inputs
-from .compare import CheckResult, compare_close, exactly_zero, identical, topk_sets
 from .fixtures import LOW_DTYPES
-from .outputs import PARAM_NAMES
 
 CHUNK_KNOBS = ("indexer_head_chunk", "loss_head_chunk", "query_chunk")
 
@@ -94,7 +94,7 @@ class Problem:
 
     def repro(self) -> str:
         """The one-line command that reruns this problem."""
-        return f"python -m harness.random_configs --repro '{self.to_json()}'"
+        return f"python -m harness.problems.random_configs --repro '{self.to_json()}'"
 
     @property
     def num_blocks(self) -> int:
@@ -115,7 +115,7 @@ class Problem:
 
 
 def make_data(problem: Problem) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(params, inputs): harness.cases.make_inputs of the problem's case (seeded, float32)."""
+    """(params, inputs): harness.problems.cases.make_inputs of the problem's case (seeded, float32)."""
     inputs, params = make_inputs(problem.case())
     return params, inputs
 
@@ -145,7 +145,7 @@ class Report:
 
 
 def _np(x) -> np.ndarray:
-    from .compare import to_numpy
+    from ..judging.compare import to_numpy
 
     return to_numpy(x)
 
@@ -261,7 +261,7 @@ def _pcfg(**fields) -> dict:
     base = dict(emb_dim=6, q_lora_rank=5, index_n_heads=3, index_head_dim=6, rope_head_dim=2,
                 compress_ratio=2, index_topk=2, num_query_heads=2, head_dim=4)
     base.update(fields)
-    # Every field the catalogue knows (harness.cases.CONFIG_FIELDS), defaults filled in, and the
+    # Every field the catalogue knows (harness.problems.cases.CONFIG_FIELDS), defaults filled in, and the
     # run-time knob query_chunk, which the catalogue leaves out of a fixture's identity.
     return {**{name: base.get(name, default) for name, default in CONFIG_FIELDS},
             "query_chunk": base.get("query_chunk", 0)}
@@ -331,7 +331,7 @@ PINNED: dict[str, Problem] = {
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.random_configs", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.problems.random_configs", description=__doc__.splitlines()[0])
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--repro", help="a problem as one line of JSON (what a failing test prints)")
     group.add_argument("--pinned", help=f"a pinned problem by name ({', '.join(PINNED)})")
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     try:
         problem = Problem.from_json(args.repro) if args.repro else PINNED[args.pinned]
     except (ValueError, KeyError, TypeError) as exc:
-        print(f"harness.random_configs: error: {exc}", file=sys.stderr)
+        print(f"harness.problems.random_configs: error: {exc}", file=sys.stderr)
         return 2
     report = check_problem(problem)
     print(report.summary())
