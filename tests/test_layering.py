@@ -7,6 +7,7 @@ and the fixture format neither torch nor the code under test."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,15 @@ FORBIDDEN = {
 }
 
 
+def _constant_imports(node: ast.AST) -> set[str]:
+    """The constant names a call hands importlib.import_module or __import__ (none for any other node)."""
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+        "import_module", "__import__"
+    ):
+        return {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    return set()
+
+
 def _imported_roots(path: Path) -> set[str]:
     roots = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -27,10 +37,7 @@ def _imported_roots(path: Path) -> set[str]:
             roots |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             roots.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-            "import_module", "__import__"
-        ):
-            roots |= {a.value.split(".")[0] for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+        roots |= {name.split(".")[0] for name in _constant_imports(node)}
     return roots
 
 
@@ -127,6 +134,16 @@ def _top_level(tree: ast.Module):
                 todo.append(child)
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a `from ... import` statement imports from (relative ones resolved in
+    `package`)."""
+    base = node.module or ""
+    if node.level:
+        parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+        base = f"{parent}.{base}" if base else parent
+    return base
+
+
 def _imported_modules(path: Path, package: str, top_level_only: bool = False) -> set[str]:
     """Absolute names of every module a file imports (relative imports resolved in `package`),
     imports inside functions included; with `top_level_only`, only the imports that run when the
@@ -137,10 +154,7 @@ def _imported_modules(path: Path, package: str, top_level_only: bool = False) ->
         if isinstance(node, ast.Import):
             out |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
+            base = _from_module(node, package)
             out.add(base)
             out |= {f"{base}.{alias.name}" for alias in node.names}  # `from . import x` imports x
     return out
@@ -150,6 +164,7 @@ def _forbidden(names: set[str], forbidden: set[str]) -> list[str]:
     return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
 
 
+@functools.lru_cache(maxsize=None)
 def _modules(root: Path, packages=PROJECT_PACKAGES) -> dict[str, tuple[Path, str]]:
     """{module name: (file, the package its relative imports resolve in)} of every module of
     `packages` under `root`."""
@@ -184,15 +199,9 @@ def _import_graph(root: Path, packages=PROJECT_PACKAGES) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 found |= {known(a.name) for a in node.names}
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    base = f"{parent}.{base}" if base else parent
+                base = _from_module(node, package)
                 found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else known(base) for a in node.names}
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                    "import_module", "__import__"):
-                found |= {known(a.value) for a in node.args[:1]
-                          if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+            found |= {known(name) for name in _constant_imports(node)}
         graph[name] = found - {"", name}
     return graph
 

@@ -14,6 +14,8 @@ A point the backend cannot compute (harness.platforms) is collected as
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import platforms
@@ -99,8 +101,6 @@ def _with_own_codes(entry: Entry, candidate: Outputs, refs: References, ref: str
     """`refs` with the reference recomputed on the candidate's own codes (References.own), or the
     reason it cannot be (`own_missing`): the goldens hold no such run, or the candidate gave no
     codes. Own codes identical to the oracle's reuse the common-codes references."""
-    import dataclasses
-
     p = entry.point
     if ref != "torch_ref":
         return dataclasses.replace(refs, own_missing=(
