@@ -219,7 +219,7 @@ def parity_section(report: Path) -> list[str]:
                 "`make figures`.", ""]
     data = json.loads(report.read_text())
     platform, summary = data.get("platform", {}), data["summary"]
-    command = "csa-parity run " + _selection_args(data.get("selection") or {})
+    command = ("csa-parity run " + _selection_args(data.get("selection") or {})).rstrip()
     if data.get("impl", "jax") != "jax":
         command += f" --impl {data['impl']}"
     if data.get("reference", "live") != "live":
@@ -249,6 +249,8 @@ def parity_section(report: Path) -> list[str]:
            "per point",
            "- slowest points: " + "; ".join(f"{label} {wall:.1f} s" for label, wall in points.get("slowest", [])),
            *_split_lines(data),
+           *[f"- failed: {r['id']} ({r['check']}) ratio {float(r['ratio']):.3g}"
+             for r in data["results"] if r["status"] == "failed"],
            f"- {summary['headroom']['above_half']} checks above ratio 0.5", "",
            "Worst error/bound ratio per teacher, quantity kind and dtype (<= 1 passes; 0.5 in bfloat16 or "
            "float16 is JAX rounding exactly as torch does, since the bound is twice torch's error):", "",
@@ -266,7 +268,8 @@ def _split_lines(data: dict) -> list[str]:
             + ", ".join(f"{k} {v:.1f} s ({100 * v / whole:.0f}%)" for k, v in split.items()),
             f"- programs {cache.get('programs_loaded', 0)} loaded from the compilation cache, "
             f"{cache.get('programs_compiled', 0)} compiled; live references {cache.get('references_loaded', 0)} "
-            f"loaded, {cache.get('references_computed', 0)} computed"]
+            f"loaded, {cache.get('references_computed', 0)} computed; jax_impl outputs of "
+            f"{cache.get('outputs_loaded', 0)} points read back"]
 
 
 def write(report: Path) -> str:
