@@ -51,11 +51,13 @@ parity: $(STAMP)
 # share one compilation cache, so the matrix programs its clean run compiles are loaded by the
 # main process's matrix, or the other way round; first or last made no difference beyond the
 # machine's noise: .ci/run took 1035 and 1188 s with it first, 1182 s with it last), then
-# crash isolation, the random configurations and the query-chunk tests (a process of their own:
+# crash isolation, the random configurations, the query-chunk tests (a process of their own:
 # under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in each file; run
-# alone, both pass); then the sharded slice (8 simulated devices, set before JAX starts), all
-# on the same sample as the main process. The main process ends with the two-process slice
-# (the sequence-sharded points across two processes of 4 devices each, harness.run.multihost).
+# alone, both pass), the gradient checks and the training trajectories (here, they even out
+# the two processes' times); then the sharded slice (8 simulated devices, set before JAX
+# starts), all on the same sample as the main process. The main process ends with the
+# two-process slice (the sequence-sharded points across two processes of 4 devices each,
+# harness.run.multihost).
 # The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
 # one's time). The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
@@ -65,7 +67,7 @@ parity: $(STAMP)
 SAMPLE ?= ci
 XDIST ?= 0
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
-	tests/test_query_chunk.py
+	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_training.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
@@ -79,7 +81,7 @@ test: $(STAMP)
 	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/multihost -n 0 -m multihost --durations=5; main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, sharded slice (run beside the tests above)"; \
+	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, gradient checks, training, sharded slice (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
