@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="joint,compressed: the loss's teacher (default: both, on every case)")
     run.add_argument("--backends", type=_csv(str), default=["xla"],
                      help="xla,pallas: jax_impl's scoring backends (default: xla; pallas runs its own sample "
-                          "of points, harness/problems/matrix.py; off TPU the Pallas kernels run in interpret mode)"),
+                          "of points, harness/problems/matrix.py; off TPU the Pallas kernels run in interpret mode)")
     run.add_argument("--sample", default="default", choices=list(SAMPLES),
                      help="which chunk points the matrix samples (harness/problems/matrix.py): default, ci (the "
                      "subset `make test` runs) or full (the whole chunk cross product, slow)")
