@@ -28,6 +28,9 @@ The table and the matrix points a backend cannot compute: `python -m harness.run
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import sys
 
 BACKENDS = ("cpu", "gpu", "tpu")
 KINDS = ("forward", "topk", "loss", "grad", "isolation", "codes")  # harness.points.Entry.kind
@@ -113,3 +116,232 @@ def selection(entries, backend: str) -> dict[str, list]:
         if reason is not None:
             out.setdefault(not_applicable_label(backend, reason), []).append(e)
     return out
+
+
+# --- The device a process computes on, as reports record it, and who may open it.
+# libtpu gives a TPU host's chips to one process at a time: a second process that opens the
+# backend gets "ABORTED: The TPU is already in use by process with pid N". So on such a backend
+# the process that writes the reports never opens it; the workers (harness.sides.worker) each
+# call `device_info` as they start, and tell the parent what they found.
+ONE_PROCESS_BACKENDS = ("tpu",)
+# A test hook: a path whose exclusive lock stands for the chip. A process that calls
+# `device_info` takes the lock (held until it exits) and reports one process per host; a second
+# one fails as libtpu's second process does. tests/test_accelerator_cli.py runs the CLI's
+# accelerator path on CPU with it.
+FAKE_EXCLUSIVE_ENV = "CSA_PARITY_FAKE_EXCLUSIVE"
+# The x86 ISA extensions XLA:CPU's and torch's kernels choose their code paths by (read from
+# /proc/cpuinfo): two CPU reports of one commit can differ in the last bits of float32 GEMMs
+# when these differ.
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16", "amx_int8")
+IN_USE = "already in use"  # libtpu's words when another process holds the chip
+LOCKFILE = "libtpu multi-process lockfile"  # and when two processes open it at the same moment
+
+_held_lock = None  # the fake chip's lock file, held for this process's life
+
+
+def may_be_one_process() -> bool:
+    """Whether JAX here may open a backend whose chips one process at a time may hold (libtpu
+    installed, or a TPU's /dev/accel* present, and JAX_PLATFORMS not naming other backends
+    only), read without opening anything: then csa-parity run starts one worker, learns the
+    device from it, and starts more only where the device allows."""
+    import glob
+    import importlib.util
+
+    if os.environ.get(FAKE_EXCLUSIVE_ENV):
+        return True
+    named = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if named and not any(p in ONE_PROCESS_BACKENDS for p in named):
+        return False
+    return importlib.util.find_spec("libtpu") is not None or bool(glob.glob("/dev/accel*"))
+
+
+class DeviceBusy(RuntimeError):
+    """The accelerator is held by another process: one line naming the cause and the fix."""
+
+
+def busy_line(error: str, backend: str = "tpu") -> str:
+    """The one line a run stops with when `error` (the backend's own message) says another
+    process holds the chip."""
+    import re
+
+    pid = re.search(r"pid (\d+)", error)
+    who = f"process {pid.group(1)}" if pid else "another process"
+    return (f"the {backend.upper()} is in use by {who} ({error.strip().splitlines()[0]}); a {backend.upper()} chip "
+            f"opens in one process at a time: end {who}, or wait for it to finish, then run again")
+
+
+def _claim_fake(path: str) -> None:
+    global _held_lock
+    import fcntl
+
+    if _held_lock is not None:
+        return
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise RuntimeError(f"Unable to initialize backend 'tpu': ABORTED: The TPU is {IN_USE} by process with "
+                           f"pid {holder}. ({FAKE_EXCLUSIVE_ENV})") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    _held_lock = f
+
+
+def cpu_features() -> dict:
+    """The processor's model name and which of ISA_FLAGS it has (Linux; elsewhere what
+    `platform` says)."""
+    import platform as _platform
+
+    info = {"machine": _platform.machine(), "model": _platform.processor() or None, "isa": None}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return info
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+        elif key == "model name" and not info["model"]:
+            info["model"] = value.strip()
+    info["model"] = info["model"] or None
+    info["isa"] = [f for f in ISA_FLAGS if f in flags]
+    return info
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def device_info() -> dict:
+    """What this process computes on: backend, device kind and count, jax/jaxlib versions, the
+    runtime's own version line (libtpu's build on a TPU), the libtpu package's version where
+    installed, and on a CPU backend the processor's ISA features. Opens the backend: call it
+    only in the process that computes. Raises DeviceBusy (one line) when another process holds
+    the chip."""
+    hook = os.environ.get(FAKE_EXCLUSIVE_ENV)
+    try:
+        if hook:
+            _claim_fake(hook)
+        import jax
+
+        devices = jax.devices()
+    except RuntimeError as exc:
+        if IN_USE in str(exc) or LOCKFILE in str(exc):
+            raise DeviceBusy(busy_line(str(exc))) from None
+        raise
+    dev = devices[0]
+    backend = jax.default_backend()
+    import jaxlib
+
+    info = {
+        "backend": backend,
+        "device_kind": dev.device_kind,
+        "device_count": len(devices),
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(jaxlib, "__version__", None) or _version("jaxlib"),
+        "runtime_version": " ".join(str(getattr(dev.client, "platform_version", "")).split()) or None,
+        "libtpu_version": _version("libtpu") or _version("libtpu-nightly"),
+        "processes_per_host": 1 if (backend in ONE_PROCESS_BACKENDS or hook) else None,
+    }
+    if hook:
+        info["simulated"] = f"one process at a time ({FAKE_EXCLUSIVE_ENV})"
+    if backend == "cpu":
+        info["cpu"] = cpu_features()
+    return info
+
+
+def torch_cpu_capability() -> str | None:
+    """torch's CPU kernel level (torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512,
+    ...) where this process has imported torch already; None where it has not (never imports it)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # an old torch without the query
+        return None
+
+
+# --- Platform tolerance profiles (SPEC section 10): how much further a backend's arithmetic
+# lands from the float64 oracle than torch's on the fixture machine, measured on that backend
+# by scripts/measure_platform_profile.py and stored as data under harness/profiles/, one file
+# per (backend, device kind). The judge multiplies the bound of every oracle check (oracle,
+# oracle@sel, the oracle top-k's tie tolerance, the quantizer's boundary-tie tolerance) of a
+# run on that device by the profile's factor for the run's matmul precision, dtype and kind
+# (harness.judging.tolerance.Policy.oracle_factor). The checks that compare a device with
+# itself (chunk, xla, the sharded chunk check, exact64) never read it. No file: factor 1, the
+# CPU's bounds (every CPU run, and a device nobody has measured, which then fails loudly).
+PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+
+
+def profile_slug(backend: str, device_kind: str) -> str:
+    """`tpu` + `TPU v5 lite` -> `tpu_v5_lite`: the profile file's name, without `.json`."""
+    import re
+
+    words = re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
+    return words if words.startswith(backend) else f"{backend}_{words}"
+
+
+def profile_path(backend: str, device_kind: str) -> str:
+    return os.path.join(PROFILES_DIR, profile_slug(backend, device_kind) + ".json")
+
+
+def load_profile(backend: str, device_kind: str | None) -> dict | None:
+    """The measured profile of (backend, device kind), or None where none is stored. A stored
+    one that is malformed raises ValueError naming the file and the field."""
+    if not device_kind:
+        return None
+    path = profile_path(backend, device_kind)
+    if not os.path.exists(path):
+        return None
+    data = read_profile_file(path)
+    name = os.path.relpath(path, os.path.dirname(PROFILES_DIR))
+    for field in ("backend", "device_kind", "command", "factors"):
+        if field not in data:
+            raise ValueError(f"{name}: field {field!r} is missing")
+    if data["backend"] != backend or data["device_kind"] != device_kind:
+        raise ValueError(f"{name}: backend/device_kind={data['backend']!r}/{data['device_kind']!r} does not match "
+                         f"the device {backend!r}/{device_kind!r}")
+    for precision, table in data["factors"].items():
+        for dtype, row in table.items():
+            for kind, value in row.items():
+                if kind not in ("forward", "loss", "grad") or not (isinstance(value, (int, float)) and value >= 1):
+                    raise ValueError(f"{name}: factors.{precision}.{dtype}.{kind}={value!r} must be a number >= 1 "
+                                     "of kind forward, loss or grad")
+    return {**data, "name": profile_slug(backend, device_kind), "path": name}
+
+
+@functools.lru_cache(maxsize=None)
+def read_profile_file(path: str) -> dict:
+    import json
+
+    with open(path) as f:
+        return json.load(f)
+
+
+def oracle_factors(profile: dict | None, precision: str) -> dict[str, dict[str, float]]:
+    """{dtype: {kind: factor}} of `profile` at matmul precision `precision` ({} without one)."""
+    if not profile:
+        return {}
+    return {d: dict(row) for d, row in profile["factors"].get(precision, {}).items()}
+
+
+def current_device_kind() -> str:
+    """The device kind JAX runs on in this process (opens the backend)."""
+    import jax
+
+    return jax.devices()[0].device_kind

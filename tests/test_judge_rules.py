@@ -752,7 +752,7 @@ def test_cli_exit_code_follows_every_status(status, tmp_path, monkeypatch):
     monkeypatch.setattr(worker_module, "run_points", _run_points_here)
     monkeypatch.setattr(worker_module, "spawn", lambda init, n: [])  # no worker processes: all runs here
     monkeypatch.setattr(cli, "_init_worker", lambda precision, fixtures_dir: None)
-    monkeypatch.setattr(cli, "platform_info", lambda precision, reference: {"backend": "cpu", "device_kind": "cpu"})
+    monkeypatch.setattr(cli, "platform_info", lambda precision, reference, device=None: {"backend": "cpu", "device_kind": "cpu"})
     monkeypatch.setattr(report_module, "heatmap", lambda records, path, summary=None: None)  # a picture, no verdict
     out = tmp_path / "rep"
     code = cli.main(["run", "--impl", "rules_plugin", "--cases", "tiny", "--dtypes", "float32", "--ichunks", "0",

@@ -27,8 +27,30 @@ def _points(sample):
 
 
 def test_ci_is_a_subset_of_default_and_default_of_full():
-    ci, default, full = (set((e.point, e.mode, e.quantity) for e in build_matrix(sample=s)) for s in SAMPLES)
+    ci, default, full = (set((e.point, e.mode, e.quantity) for e in build_matrix(sample=s))
+                         for s in ("ci", "default", "full"))
     assert ci < default < full
+
+
+def test_the_tpu_sample_covers_every_case_dtype_axis_and_teacher():
+    """harness.problems.matrix.TPU_DTYPES: every case natively, float32, bfloat16 and float16 (no
+    float64: not applicable on a TPU), both teachers in each of those dtypes, every chunk axis
+    against a native point of its own dtype, the xla backend only; 43 compiled programs (what one
+    chip compiles and runs inside one 10-minute command: 112 s measured, docs/platforms.md)."""
+    from harness.problems.matrix import TPU_DTYPES, programs_at
+
+    points = {e.point for e in build_matrix(sample="tpu", backends=["xla", "pallas"])}
+    assert {p.case for p in points if not p.chunked} == set(CASES)
+    assert {p.dtype for p in points} == set(TPU_DTYPES) == {"float32", "bfloat16", "float16"}
+    assert {(p.dtype, p.teacher) for p in points} == {(d, t) for d in TPU_DTYPES for t in ("joint", "compressed")}
+    assert {p.backend for p in points} == {"xla"}
+    chunked = [p for p in points if p.chunked]
+    assert all(p.native in points for p in chunked)
+    assert any(p.ichunk and not p.tchunk for p in chunked) and any(p.tchunk and not p.ichunk for p in chunked)
+    assert any(p.qchunk and not (p.ichunk or p.tchunk) for p in chunked)
+    assert any(p.qchunk and p.ichunk and p.tchunk and p.teacher == "compressed" for p in chunked)
+    assert {p.dtype for p in chunked} == set(TPU_DTYPES)
+    assert sum(programs_at(p) for p in points) == 43
 
 
 def test_ci_runs_every_case_natively_in_a_narrow_and_a_wide_dtype():
@@ -179,7 +201,7 @@ def test_the_pallas_backend_runs_its_own_small_sample():
 
 
 def test_an_unknown_sample_is_one_clear_error():
-    with pytest.raises(ValueError, match=r"sample='nightly' is not supported \(valid: ci, default, full\)"):
+    with pytest.raises(ValueError, match=r"sample='nightly' is not supported \(valid: ci, default, full, tpu\)"):
         build_matrix(sample="nightly")
 
 

@@ -223,21 +223,28 @@ def compare_close(check: str, quantity: str, x, ref, bound: float, scale: str = 
 
 
 def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: float, floor: float,
-                    scale: str = "tensor", check: str = "oracle", order_error: float | None = None) -> CheckResult:
-    """SPEC section 10: err(candidate) <= alpha * max(err(torch at the same dtype), floor).
+                    scale: str = "tensor", check: str = "oracle", order_error: float | None = None,
+                    factor: float = 1.0, profile: str = "") -> CheckResult:
+    """SPEC section 10: err(candidate) <= factor * alpha * max(err(torch at the same dtype), floor).
 
     `order_error`: torch@t's worst error over K equivalent evaluation orders,
     stored in the fixture (harness.run.regenerate.order_errors); err(torch at t) is then the
-    larger of it and the error of `torch_at_dtype` handed in."""
+    larger of it and the error of `torch_at_dtype` handed in. `factor`: the platform profile
+    `profile`'s factor for a candidate that ran on an accelerator (1 on a CPU)."""
     t_err, _, _ = normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)
     one_order = t_err
     if order_error is not None:
         t_err = max(t_err, float(order_error))
-    bound = alpha * max(t_err, floor)
+    bound = factor * alpha * max(t_err, floor)
     orders = "" if order_error is None else f" (max over evaluation orders; this order {one_order:.3g})"
     note = f"torch-at-dtype error {t_err:.3g}{orders}, floor {floor:.3g}, alpha {alpha:g}"
+    if factor != 1.0 or profile:
+        note += f", platform factor {factor:g} ({profile or 'no profile'})"
     result = compare_close(check, quantity, candidate, oracle, bound, scale, note)
-    return dataclasses.replace(result, stats={"torch_error": t_err})
+    stats = {"torch_error": t_err}
+    if profile:
+        stats["platform_factor"] = factor
+    return dataclasses.replace(result, stats=stats)
 
 
 def exactly_zero(quantity: str, grads: dict, check: str = "isolation", bound: float = 0.0) -> CheckResult:

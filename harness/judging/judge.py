@@ -58,10 +58,12 @@ def _scale(quantity: str) -> str:
 
 
 def score_tolerance(oracle_scores, scores_at_dtype, dtype: str, policy: Policy = Policy(),
-                    order_error: float | None = None, dims=None) -> np.ndarray:
+                    order_error: float | None = None, dims=None, versus_oracle: bool = True) -> np.ndarray:
     """Absolute score tolerance per query [B, S] for the top-k tie rule: the index_scores
     bound (the reference's error at `dtype`, at least its order error and the floor for a
-    problem of `dims`) times the row's largest |oracle score| (the bound is normalised per row)."""
+    problem of `dims`; times the platform profile's forward factor when the picks are judged
+    against the oracle's, `versus_oracle`) times the row's largest |oracle score| (the bound
+    is normalised per row)."""
     oracle_scores = np.asarray(oracle_scores, np.float64)
     if dtype == "float64":
         bound = policy.exact64
@@ -70,6 +72,8 @@ def score_tolerance(oracle_scores, scores_at_dtype, dtype: str, policy: Policy =
         if order_error is not None:
             t_err = max(t_err, float(order_error))
         bound = policy.alpha("index_scores") * max(t_err, policy.floor(dtype, "index_scores", dims))
+        if versus_oracle:
+            bound *= policy.oracle_factor(dtype, "index_scores")
     finite = np.where(np.isfinite(oracle_scores), np.abs(oracle_scores), 0.0)
     return bound * (finite.max(axis=-1) if oracle_scores.shape[-1] else np.zeros(oracle_scores.shape[:-1]))
 
@@ -101,7 +105,8 @@ def _versus_oracle(quantity, name, candidate, refs: References, oracle_name, bas
                              _scale(name))
     return oracle_relative(quantity, candidate, oracle, refs.at_dtype[baseline_name], policy.alpha(name),
                            policy.floor(dtype, name, refs.dims), _scale(name), check="oracle@sel" if sel else "oracle",
-                           order_error=refs.order_errors.get(baseline_name))
+                           order_error=refs.order_errors.get(baseline_name), factor=policy.oracle_factor(dtype, name),
+                           profile=policy.platform_profile)
 
 
 def _topk(outputs: Outputs, refs: References, dtype: str, policy: Policy, check: str = "topk",
@@ -109,7 +114,7 @@ def _topk(outputs: Outputs, refs: References, dtype: str, policy: Policy, check:
     """The candidate's picks against the oracle's (or `against`'s), tie-aware."""
     oracle = refs.oracle
     tol = score_tolerance(oracle["index_scores"], refs.at_dtype["index_scores"], dtype, policy,
-                          refs.order_errors.get("index_scores"), refs.dims)
+                          refs.order_errors.get("index_scores"), refs.dims, versus_oracle=against is None)
     reference = (against or oracle)["topk_indices"]
     return topk_sets(quantity, outputs["topk_indices"], reference, oracle["index_scores"], tol, check=check)
 
@@ -124,7 +129,8 @@ def code_tolerance(refs: References, side: str, dtype: str, policy: Policy) -> f
         return policy.exact64
     name = ROTATED_NAMES[side]
     err, _, _ = normalised_error(refs.at_dtype[name], refs.oracle[name], "row")
-    return policy.alpha("compressed_keys") * max(err, policy.floor(dtype, "compressed_keys"))
+    return (policy.oracle_factor(dtype, "compressed_keys") * policy.alpha("compressed_keys")
+            * max(err, policy.floor(dtype, "compressed_keys")))
 
 
 def _codes(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:

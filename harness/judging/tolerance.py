@@ -270,10 +270,23 @@ class Policy:
 
     profile: str = "highest"
     backend: str = "cpu"
+    # The platform profile of the device the candidate ran on (harness.platforms.load_profile,
+    # at this matmul precision): ((dtype, kind, factor), ...) and its name; () on a CPU.
+    platform_factors: tuple = ()
+    platform_profile: str = ""
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
             raise ValueError(f"profile={self.profile!r} is not supported (valid: {', '.join(PROFILES)})")
+        for dtype, kind, factor in self.platform_factors:
+            if not factor >= 1:
+                raise ValueError(f"platform factor {dtype}.{kind}={factor!r} must be >= 1: a profile never "
+                                 "tightens the CPU's bounds")
+
+    def oracle_factor(self, dtype: str, quantity: str) -> float:
+        """The platform profile's factor on the oracle checks of `quantity` at `dtype` (1 without
+        a profile, and for float64, whose exact64 check no profile touches)."""
+        return oracle_factor(self.platform_factors, dtype, numeric_kind(quantity))
 
     def alpha(self, quantity: str) -> float:
         return ALPHA[numeric_kind(quantity)]
@@ -328,3 +341,26 @@ def loosened(value: float) -> float:
     """`value` made 10 times looser: every number here is a bound, a floor, a multiplier of
     one or a factor, so larger is looser; a bound of 0 becomes the smallest positive double."""
     return value * 10.0 if value > 0 else math.ulp(0.0)
+
+
+
+# --- Platform profiles (harness/profiles/*.json, harness.platforms.load_profile): on a device
+# whose arithmetic is not the CPU's, the oracle rule's bound is multiplied by the factor its
+# profile measured for the run's matmul precision, dtype and kind. The numbers are data, each
+# with its measurement beside it in the file, made by scripts/measure_platform_profile.py (its
+# margin and grid are stated there and stored in the file); tests/test_platform_profiles.py pins
+# each one at its boundary. The checks that compare a device with itself (chunk, xla, exact64)
+# never read a factor.
+
+
+def policy_factors(factors: Mapping[str, Mapping[str, float]]) -> tuple:
+    """{dtype: {kind: factor}} as Policy.platform_factors."""
+    return tuple((d, k, float(v)) for d, row in sorted(factors.items()) for k, v in sorted(row.items()))
+
+
+def oracle_factor(platform_factors: tuple, dtype: str, kind: str) -> float:
+    """The factor of (dtype, kind) among `platform_factors`; 1 where none is given."""
+    for d, k, v in platform_factors:
+        if d == dtype and k == kind:
+            return v
+    return 1.0

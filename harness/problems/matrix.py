@@ -4,9 +4,10 @@ A matrix entry is one (case, dtype, indexer chunk, teacher chunk, query chunk, t
 mode, quantity): a `Point` (what an implementation runs) and what is judged at it. Tests and
 the CLI both read `build_matrix`; nothing else decides what runs.
 
-Three samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest): `default`
-(`csa-parity run`, `make parity`), `ci` (what `make test` runs: a subset of the default) and
-`full` (the whole chunk cross product). Which points each holds and why is docs/matrix.md;
+Four samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest): `default`
+(`csa-parity run`, `make parity`), `ci` (what `make test` runs: a subset of the default),
+`full` (the whole chunk cross product) and `tpu` (what one TPU chip runs inside one 10-minute
+command: every case, the three dtypes a TPU computes, every chunk axis, both teachers). Which points each holds and why is docs/matrix.md;
 their sizes are `csa-parity run --list [--sample S]` and docs/FIGURES.md.
 """
 
@@ -19,7 +20,7 @@ from .cases import CASES, TEACHERS
 TEACHER_CHUNK_DTYPES = ("float32", "float64")
 QUERY_CHUNK_DTYPES = ("float32", "bfloat16", "float64")
 SWEEP_CASES = ("small", "flash_dims")
-SAMPLES = ("ci", "default", "full")
+SAMPLES = ("ci", "default", "full", "tpu")
 
 
 def divisors(n: int) -> list[int]:
@@ -86,6 +87,8 @@ def chunk_points(case: str, dtype: str, sample: str = "default") -> list[tuple[i
         raise ValueError(f"sample={sample!r} is not supported (valid: {', '.join(SAMPLES)})")
     if sample == "ci":
         return ci_points(case, dtype)
+    if sample == "tpu":
+        return tpu_points(case, dtype, "joint")
     full = sample == "full"
     pairs = chunk_pairs(case, dtype, full)
     dividing, non_dividing = query_chunk_sizes(CASES[case].seq_len)
@@ -162,6 +165,40 @@ def ci_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
     return sorted(set(points))
 
 
+# The tpu sample (`csa-parity run --sample tpu`): what one TPU chip runs start to finish inside one
+# 10-minute command, the dtypes a TPU computes (float32, bfloat16, float16; float64 is not
+# applicable there, harness.platforms). Every case natively with the joint teacher, in one dtype
+# rotated over the catalogue (case i in TPU_DTYPES[i % 3]); every third case natively with the
+# compressed teacher, in TPU_DTYPES[(i // 3) % 3], so each dtype meets both teachers; and every
+# axis a TPU user chunks along, each against its native point: small in float32 at indexer head
+# chunk 1, teacher head chunk 1, the dividing query chunk and the combined point (head chunks
+# and the non-dividing query chunk at once); flash_dims (64 indexer heads) in bfloat16 and tiny
+# in float16 at their combined points; tiny's compressed teacher at its combined point.
+# Each point is one compiled program (two where the problem quantizes), the cost on a TPU.
+TPU_DTYPES = ("float32", "bfloat16", "float16")
+TPU_CHUNKED = {("small", "float32", "joint"): ("ichunk", "tchunk", "qchunk", "combined"),
+               ("flash_dims", "bfloat16", "joint"): ("combined",),
+               ("tiny", "float16", "joint"): ("combined",),
+               ("tiny", "float32", "compressed"): ("combined",)}
+
+
+def tpu_points(case: str, dtype: str, teacher: str) -> list[tuple[int, int, int]]:
+    """The tpu sample's (indexer chunk, teacher chunk, query chunk) triples for a case, dtype
+    and teacher (see TPU_DTYPES)."""
+    if dtype not in TPU_DTYPES or teacher not in CASES[case].teachers:
+        return []
+    i = list(CASES).index(case)
+    native = (TPU_DTYPES[i % 3] == dtype if teacher == "joint"
+              else i % 3 == 0 and TPU_DTYPES[(i // 3) % 3] == dtype)
+    axes = TPU_CHUNKED.get((case, dtype, teacher), ())
+    points = [(0, 0, 0)] if native or axes else []
+    dividing, non_dividing = query_chunk_sizes(CASES[case].seq_len)
+    knob = {"ichunk": (1, 0, 0), "tchunk": (0, 1, 0), "qchunk": (0, 0, dividing),
+            "combined": (*combined_pair(case), non_dividing)}
+    points += [knob[a] for a in axes]
+    return sorted(set(points))
+
+
 # The compressed teacher's sample (docs/matrix.md): its points on every case (each holds its
 # goldens, Case.teachers). default: the native point in every dtype, the combined point in
 # float32, bfloat16 and float64. ci: the native point in one dtype per case (COMPRESSED_CI, the
@@ -188,6 +225,8 @@ def compressed_points(case: str, dtype: str, sample: str = "default") -> list[tu
         return []
     if sample == "full":
         return chunk_points(case, dtype, sample)
+    if sample == "tpu":
+        return tpu_points(case, dtype, "compressed")
     if sample == "ci" and case not in COMPRESSED_CI:
         raise ValueError(f"case={case!r} has no entry in harness.problems.matrix.COMPRESSED_CI (the ci sample's dtype of "
                          "the compressed teacher per case): add one")
@@ -220,6 +259,8 @@ def pallas_points(case: str, dtype: str, sample: str = "default") -> list[tuple[
     combined = (*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1])
     if sample == "full":
         return chunk_points(case, dtype, "default")
+    if sample == "tpu":  # the kernels on a TPU are another sample's (the xla path's alone here)
+        return []
     if sample == "ci":
         kind = PALLAS_CI.get((case, dtype))
         return [] if kind is None else [(0, 0, 0) if kind == "native" else combined]

@@ -193,21 +193,31 @@ def _points_of(groups) -> list[list[tuple]]:
     return out
 
 
-def platform_info(precision: str, reference: str) -> dict:
-    import jax
+def platform_info(precision: str, reference: str, device: dict | None = None) -> dict:
+    """What the report says the run computed on: `device` (harness.platforms.device_info, as a
+    worker found it: this process never opens an accelerator, whose chip one process at a time
+    may hold), the matmul precision and the tolerance profile applied, the Pallas mode, and
+    the torch version of a live reference. `device` None: this process's own device (opened
+    here; for callers that compute in-process)."""
+    from .. import platforms
+    from ..judging.tolerance import PROFILES
 
-    dev = jax.devices()[0]
-    info = {
-        "backend": jax.default_backend(),
-        "device_kind": dev.device_kind,
-        "device_count": jax.device_count(),
-        "jax_version": jax.__version__,
-        "matmul_precision": precision,
+    if device is None:
+        device = platforms.device_info()
+    info = {**device, "matmul_precision": precision}
+    stored = platforms.load_profile(device["backend"], device.get("device_kind")) if device["backend"] != "cpu" else None
+    info["tolerance"] = {
+        "precision_profile": precision if precision in PROFILES else None,
+        "platform_profile": None if stored is None else stored["path"],
+        "platform_factors": platforms.oracle_factors(stored, precision) or None,
+        "note": ("the oracle checks' bounds times the platform profile's factors (harness/platforms.py); "
+                 "chunk, xla and exact64 checks unchanged") if stored is not None else
+                ("the CPU's bounds" if device["backend"] == "cpu" else
+                 f"no platform profile is stored for {device['backend']} {device.get('device_kind')!r}: the CPU's "
+                 "bounds (measure one with scripts/measure_platform_profile.py)"),
     }
-    from jax_impl.kernels import interpret_mode
-
-    if interpret_mode():  # what a pallas-backend point ran
-        info["pallas"] = f"Pallas interpret mode on {jax.default_backend()} (no TPU: the kernels are interpreted)"
+    if device["backend"] != "tpu":  # what a pallas-backend point ran (jax_impl.kernels.interpret_mode)
+        info["pallas"] = f"Pallas interpret mode on {device['backend']} (no TPU: the kernels are interpreted)"
     if reference == "live":  # the installed version, read without importing torch here
         from importlib.metadata import PackageNotFoundError, version
 
@@ -314,10 +324,18 @@ def run(args) -> int:
     if cache_dir is not None and not args.list:
         _check_writable(cache_dir, "cache directory", "choose another with --cache-dir, or run with --no-cache")
     init = {"precision": args.precision, "fixtures_dir": os.environ.get("CSA_PARITY_FIXTURES"),
-            "sys_path": list(sys.path), "cache_root": cache_dir, "task": TASK}
+            "sys_path": list(sys.path), "cache_root": cache_dir, "task": TASK, "device_info": True}
     # The workers start now: their imports overlap this process's own (the implementation, the
     # fixtures, JAX's platform), which a run of one point would otherwise wait for twice.
-    started = [] if args.list else worker.spawn(init, min(args.jobs, len({e.group for e in entries})))
+    from .. import platforms
+
+    want = min(args.jobs, len({e.group for e in entries}))
+    # Where the device may be a TPU, one worker opens it first and says what it is (a TPU chip
+    # opens in one process at a time; two opening it at once both fail); the others start once
+    # it is known that the device allows them (_run).
+    first = 1 if platforms.may_be_one_process() else want
+    started = [] if args.list else worker.spawn(init, first)
+    init["workers_wanted"] = want
     try:
         return _run(args, sample, entries, init, started, began)
     finally:
@@ -350,11 +368,31 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     cache_dir, fixtures_dir = init["cache_root"], init["fixtures_dir"]
     timeout = args.timeout if args.timeout is not None else timeout_from_env()
     _init_worker(args.precision, fixtures_dir)
+    jobs = args.jobs
+    device = None
+    prefetch = None
+    if started:  # the workers open the backend; this process never does (a TPU chip opens in one process)
+        from ..sides.worker import claim_devices, spawn
+
+        started[:], device = claim_devices(started)
+        want = init.pop("workers_wanted", len(started))
+        if device and device.get("processes_per_host") == 1:
+            if want > 1:
+                print(f"csa-parity: --jobs {args.jobs}: a {device['backend'].upper()} host's chips open in one "
+                      "process at a time; running the points one after another in 1 worker, which compiles "
+                      "their programs ahead in threads", file=sys.stderr)
+            jobs = 1
+            specs = sorted({p.spec() for g in ordered for p, _ in g}
+                           | {p.native.spec() for g in ordered for p, _ in g if p.native is not None})
+            if args.impl == "jax":
+                prefetch = ("harness.sides.implementations:prefetch", (specs, min(12, os.cpu_count() or 1)))
+        elif len(started) < want:
+            started.extend(spawn(init, want - len(started)))
     meta = {
         "impl": args.impl,
         "reference": args.reference,
         "tolerance_profile": args.precision,
-        "platform": platform_info(args.precision, args.reference),
+        "platform": platform_info(args.precision, args.reference, device),
         "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes", "teachers",
                                                     "backends", "full", "sample")},
         "timeout_s": timeout,
@@ -389,6 +427,8 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     def done(point, point_entries, point_records, wall, split=None):
         records.extend(attach_reruns(point_records, args.reference, args.precision, rerun_timeout, fixtures_dir))
         walls.append((wall, point.label))
+        if split is not None and "torch_cpu_capability" in split:  # the live reference's kernel level
+            meta["platform"]["torch_cpu_capability"] = split.pop("torch_cpu_capability")
         if split is not None:
             splits[point.label] = split
         if progress is not None:
@@ -400,8 +440,8 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     interrupted = None
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        run_points(ordered, args.reference, args.precision, init, args.jobs, timeout, done, error_records,
-                   started=started)
+        run_points(ordered, args.reference, args.precision, init, jobs, timeout, done, error_records,
+                   started=started, prefetch=prefetch)
     except KeyboardInterrupt:
         interrupted = "interrupted (Ctrl-C)", 130
     except _Interrupted:
@@ -459,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
         return regenerate.run_from_args(args)
     except ValueError as exc:  # config, fixture, implementation, selection and directory errors
         print(f"csa-parity: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        from ..platforms import DeviceBusy
+
+        if not isinstance(exc, DeviceBusy):
+            raise
+        print(f"csa-parity: error: {exc}", file=sys.stderr)  # another program holds the chip: one line
         return 2
     except KeyboardInterrupt:
         print("csa-parity: interrupted", file=sys.stderr)

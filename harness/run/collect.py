@@ -40,8 +40,15 @@ def dims(case: str) -> dict[str, int]:
 
 
 def policy(profile: str = "highest") -> Policy:
-    """The tolerance policy for a candidate that ran here at matmul precision `profile`."""
-    return Policy(profile, platforms.current_backend())
+    """The tolerance policy for a candidate that ran here at matmul precision `profile`: with
+    the platform profile of this device (harness.platforms.load_profile) where one is stored."""
+    backend = platforms.current_backend()
+    stored = platforms.load_profile(backend, platforms.current_device_kind()) if backend != "cpu" else None
+    if stored is None:
+        return Policy(profile, backend)
+    from ..judging.tolerance import policy_factors
+
+    return Policy(profile, backend, policy_factors(platforms.oracle_factors(stored, profile)), stored["name"])
 
 
 def collect(entry: Entry, reference: str = "live", candidate: Outputs | None = None) -> tuple[Outputs, References]:

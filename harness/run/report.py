@@ -17,7 +17,7 @@ from ..points import Entry, Point
 
 # parity.json's layout (docs/design.md lists every field; CHANGELOG.md says what each version
 # added). A reader that finds another version knows the fields may differ.
-JSON_SCHEMA_VERSION = 7
+JSON_SCHEMA_VERSION = 8
 COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "codes", "loss", "grad", "input_grads")
 
 
@@ -404,6 +404,31 @@ def write_reports(records: list[dict], meta: dict, out_dir: str, heatmap_too: bo
     return paths
 
 
+def device_line(platform: dict) -> str:
+    """What a reader compares two reports by: the device, its software, and the tolerances
+    applied (harness.run.cli.platform_info)."""
+    parts = [f"device: {platform.get('backend')} {platform.get('device_kind')} x{platform.get('device_count')}",
+             f"jax {platform.get('jax_version')}, jaxlib {platform.get('jaxlib_version')}"]
+    if platform.get("libtpu_version"):
+        parts.append(f"libtpu {platform['libtpu_version']}")
+    if platform.get("runtime_version") and platform.get("backend") != "cpu":
+        parts.append(f"runtime {platform['runtime_version']}")
+    cpu = platform.get("cpu")
+    if cpu:
+        parts.append(f"CPU {cpu.get('model')} ({cpu.get('machine')}; ISA: {', '.join(cpu.get('isa') or []) or 'unknown'})")
+    if platform.get("torch_cpu_capability"):
+        parts.append(f"torch CPU capability {platform['torch_cpu_capability']}")
+    tol = platform.get("tolerance") or {}
+    if tol:
+        profile = tol.get("platform_profile")
+        parts.append(f"tolerances: `{tol.get('precision_profile')}` precision profile, "
+                     + (f"platform profile `{profile}` (oracle-check factors "
+                        + "; ".join(f"{d} " + ", ".join(f"{k} {v:g}" for k, v in row.items())
+                                    for d, row in (tol.get("platform_factors") or {}).items()) + ")"
+                        if profile else tol.get("note", "no platform profile")))
+    return "; ".join(parts)
+
+
 def markdown(records: list[dict], meta: dict, summary: dict) -> str:
     header, rows = table(records)
     status = "PASS" if summary["failed"] + summary["errors"] == 0 else f"FAIL ({summary['failed_entries']} entries)"
@@ -421,6 +446,7 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         f"platform: {meta.get('platform', {}).get('backend')} ({meta.get('platform', {}).get('device_kind')}); "
         f"matmul precision: {meta.get('platform', {}).get('matmul_precision')}"
         + (f"; Pallas kernels: {meta['platform']['pallas']}" if meta.get("platform", {}).get("pallas") else ""),
+        f"- {device_line(meta.get('platform', {}))}",
         f"- {summary['entries']} matrix entries, {summary['checks']} checks: {status_line(summary)}; "
         f"wall time {meta.get('wall_s', 0):.1f} s",
         *([f"- {cache_line(meta)}; time per share, summed over the points (s): "

@@ -870,6 +870,30 @@ def select(catalogue, only: str | None, patch) -> list:
     return chosen
 
 
+RETARGETED_CHECKS = {"exact64": "oracle", "exact64@sel": "oracle@sel"}
+
+
+def retarget(catalogue, dtype: str) -> tuple[list[Mutant], list[tuple[str, str]]]:
+    """The mutants of `catalogue` with every float64 point moved to `dtype` and their expected
+    checks moved with it (exact64 -> oracle), and (name, why) of those that cannot move: they
+    need torch (pinned random problems), the compile-only memory check, the Pallas kernels or
+    simulated devices (a mesh)."""
+    out, left_out = [], []
+    for m in catalogue:
+        why = ("its pinned random problems run live against torch" if m.problems else
+               "its memory check reads the CPU's compiled memory" if m.memory else
+               "its kernel check is the Pallas kernels'" if m.kernel else
+               "its slice runs on simulated devices" if any(p.mesh for p in m.points) else
+               "its slice is on the Pallas backend" if any(p.backend != "xla" for p in m.points) else None)
+        if why:
+            left_out.append((m.name, why))
+            continue
+        points = tuple(dataclasses.replace(p, dtype=dtype) if p.dtype == "float64" else p for p in m.points)
+        killed_by = tuple(dict.fromkeys(RETARGETED_CHECKS.get(c, c) for c in m.killed_by))
+        out.append(dataclasses.replace(m, points=points, killed_by=killed_by))
+    return out, left_out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.selftest.mutations", description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated mutant names (default: all)")
@@ -877,12 +901,25 @@ def main(argv=None) -> int:
     ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
     ap.add_argument("--json", help="also write the outcomes to this file")
     ap.add_argument("--method", choices=["forkserver", "subprocess"], help="default: forkserver where available")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="run every float64 slice in this dtype instead (a device without float64, a TPU: the "
+                         "oracle rule, under the device's platform profile, must kill what exact64 kills on a "
+                         "CPU); mutants that need torch, the memory check, the kernels or simulated devices are "
+                         "left out, each named")
     args = ap.parse_args(argv)
     try:
         chosen = select(CATALOGUE, args.only, patch_copy)
     except MutationError as exc:
         print(f"harness.selftest.mutations: error: {exc}", file=sys.stderr)
         return 2
+    if args.dtype:
+        chosen, left_out = retarget(chosen, args.dtype)
+        for name, why in left_out:
+            print(f"left out: {name}: {why}")
+        if not chosen:
+            print("harness.selftest.mutations: error: no mutant of the selection runs in --dtype "
+                  f"{args.dtype}", file=sys.stderr)
+            return 2
     start = time.time()
     outcomes: dict[str, Outcome] = {}
     with tempfile.TemporaryDirectory(prefix="mutation-xla-cache-") as cache, \

@@ -82,6 +82,21 @@ def inside() -> bool:
     return _INSIDE
 
 
+_QUIET = False  # set while `quietly` runs: calls in threads send no stage notes (one pipe, many threads)
+
+
+@contextlib.contextmanager
+def quietly():
+    """Calls made meanwhile (in threads: harness.sides.implementations.prefetch) tell the parent
+    nothing; a crash among them is one outside any call."""
+    global _QUIET
+    _QUIET = True
+    try:
+        yield
+    finally:
+        _QUIET = False
+
+
 @contextlib.contextmanager
 def stage(key: str, label: str):
     """Around one call into an implementation (`key`: "<impl> <call>", `label`: the point it
@@ -89,10 +104,10 @@ def stage(key: str, label: str):
     tells the parent that it started and that it ended."""
     if (key, label) in _POISONED:
         raise WorkerCrash(_POISONED[(key, label)])
-    if _CONN is not None:
+    if _CONN is not None and not _QUIET:
         _CONN.send(("stage", (key, label)))
     yield
-    if _CONN is not None:
+    if _CONN is not None and not _QUIET:
         _CONN.send(("stage", None))
 
 
@@ -171,7 +186,16 @@ def _main(conn, init: dict) -> None:
     _die_with_parent()
     _setup(init)
     _INSIDE, _CONN = True, conn
-    conn.send(("ready", os.getpid()))
+    device = None
+    if init.get("device_info"):  # csa-parity run's workers open the backend and say what it is
+        from ..platforms import DeviceBusy, device_info
+
+        try:
+            device = device_info()
+        except DeviceBusy as exc:
+            conn.send(("busy", str(exc)))
+            return
+    conn.send(("ready", os.getpid(), device))
     while True:
         try:
             msg = conn.recv()
@@ -185,7 +209,17 @@ def _main(conn, init: dict) -> None:
             before, start = timing.snapshot(), time.perf_counter()
             records = resolve(init["task"])(entries, reference, profile)
             _release_programs()
-            conn.send(("done", records, time.perf_counter() - start, _RETIRE, timing.split(before, timing.snapshot())))
+            split = timing.split(before, timing.snapshot())
+            from ..platforms import torch_cpu_capability
+
+            capability = torch_cpu_capability()  # where the point's reference imported torch
+            if capability:
+                split["torch_cpu_capability"] = capability
+            conn.send(("done", records, time.perf_counter() - start, _RETIRE, split))
+        elif msg[0] == "prefetch":  # work ahead for the points to come; what it could not do they do
+            _, target, args, _ = msg
+            with contextlib.suppress(Exception):
+                resolve(target)(*args)
         elif msg[0] == "call":
             _, target, args, path, _ = msg
             sys.path[:] = path
@@ -236,6 +270,7 @@ class _Worker:
         self.started = 0.0
         self.spawned = time.monotonic()
         self.startup = 0.0  # seconds from spawn to ready: charged to the first point it answers
+        self.device = None  # what harness.platforms.device_info found in it (init["device_info"])
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -261,6 +296,31 @@ def spawn(init: dict, n: int) -> list[_Worker]:
     return [_Worker({**init, "poison": {}}) for _ in range(n)]
 
 
+def claim_devices(workers) -> tuple[list[_Worker], dict | None]:
+    """Wait for `workers` (of `spawn`, started with init["device_info"]) to open their backend:
+    (those that did, the device the first one found). On a backend that one process per host
+    may open (platforms.ONE_PROCESS_BACKENDS: a TPU), only the first is kept, the others ended:
+    the run is serialised. Raises platforms.DeviceBusy (one line) when none could open it
+    because another program holds the chip."""
+    from ..platforms import DeviceBusy
+
+    ok, busy = [], None
+    for w in workers:
+        try:
+            ok.append(_ready(w))
+        except DeviceBusy as exc:
+            busy = busy or exc
+    if not ok:
+        if busy is not None:
+            raise busy
+        return [], None
+    device = ok[0].device
+    if device and device.get("processes_per_host") == 1 and len(ok) > 1:
+        kill(ok[1:])
+        ok = ok[:1]
+    return ok, device
+
+
 def kill(workers) -> None:
     """End `workers` (those of `spawn`; one already ended is left as it is)."""
     for w in workers:
@@ -272,15 +332,23 @@ def _start(init: dict) -> _Worker:
 
 
 def _ready(w: _Worker) -> _Worker:
-    """`w` once it has started (imports done), or RuntimeError when it could not start."""
+    """`w` once it has started (imports done), or RuntimeError when it could not start;
+    harness.platforms.DeviceBusy (one line) when another process holds its accelerator."""
     while not w.ready:  # JAX imports here; a worker that cannot start is a harness failure
         closed = False
         if w.conn.poll(1.0):
             try:
-                w.ready = w.conn.recv()[0] == "ready"
+                msg = w.conn.recv()
             except (EOFError, OSError):  # its end of the pipe closed: it died, or is dying
-                closed = True
+                closed, msg = True, None
                 w.proc.join(5)
+            if msg is not None and msg[0] == "busy":
+                from ..platforms import DeviceBusy
+
+                w.kill()
+                raise DeviceBusy(msg[1])
+            if msg is not None and msg[0] == "ready":
+                w.ready, w.device = True, msg[2]
         if not w.ready and (closed or (not w.proc.is_alive() and not w.conn.poll())):
             w.kill()
             raise RuntimeError(f"a csa-parity worker could not start ({describe_exit(w.proc.exitcode)}); "
@@ -290,7 +358,7 @@ def _ready(w: _Worker) -> _Worker:
 
 
 def run_points(groups, reference: str, profile: str, init: dict, jobs: int, timeout: float, on_done,
-               error_records, started=()) -> None:
+               error_records, started=(), prefetch: tuple | None = None) -> None:
     """Evaluate every point of `groups` (lists of (point, entries), one (implementation, case,
     dtype) each) in `jobs` persistent workers: each point's entries go to the task `init["task"]`
     names (`module:function(entries, reference, profile) -> records`), imported by the worker
@@ -300,7 +368,9 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
     it is killed), is replaced; the point runs again with the call it was in poisoned (up to
     MAX_RERUNS times), or, if it died outside any call, gets `error_records(entries, line)` as a
     whole. `started`: workers of `spawn` (same `init`) to use first; every one is ended when this
-    returns."""
+    returns. `prefetch`: (`module:function`, args) each first worker runs before its first point
+    (harness.sides.implementations.prefetch: the programs of every point compiled in threads, where
+    one worker runs them all); its time counts toward that point's time limit."""
     pending = deque(deque(g) for g in groups if g)
     started = list(started)
     poison: dict[tuple[str, str], str] = {}
@@ -309,6 +379,8 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
     try:
         for _ in range(min(jobs, len(pending))):
             w = _ready(started.pop(0)) if started else _start({**init, "poison": poison})
+            if prefetch is not None:
+                w.conn.send(("prefetch", prefetch[0], prefetch[1], {}))
             slots.append((w, pending.popleft()))
         while slots:
             for i, (w, queue) in enumerate(list(slots)):
