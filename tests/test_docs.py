@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-SECTIONS = ["## Install and run", "## Bring your kernel", "## Use the layer in your model",
+SECTIONS = ["## Install and run", "## On a TPU VM", "## Bring your kernel", "## Use the layer in your model",
             "## Statuses and exit codes", "## Docs"]
 
 

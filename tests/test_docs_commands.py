@@ -53,7 +53,6 @@ HOW = {
     "csa-parity run --cases small,packed --dtypes bfloat16 --ichunks 0,1,2 --out reports/": LIST,
     "csa-parity run --impl examples.pallas_scores --cases tiny,small --dtypes float32,bfloat16": LIST,
     "csa-parity run --impl examples.scores_kernel --cases tiny": LIST,
-    "csa-parity run --jobs 1": LIST,
     "csa-parity run --jobs 2 --timeout 120": LIST,
     "csa-parity run --precision default": LIST,
     "csa-parity run --reference goldens": LIST,
@@ -61,8 +60,9 @@ HOW = {
     "csa-parity run --teachers compressed": LIST,
     "csa-parity run --cache-dir /tmp/c": LIST,
     "csa-parity run --profile": LIST,
-    "JAX_PLATFORMS=tpu csa-parity run --jobs 1": LIST,
-    "JAX_PLATFORMS=tpu csa-parity run --jobs 1 --precision default": LIST,
+    "csa-parity run --sample tpu --jobs 1": LIST,
+    "csa-parity run --sample tpu --reference goldens": LIST,
+    "csa-parity run --sample tpu --reference goldens --precision default": LIST,
     "PYTHONPATH=tests csa-parity run --cases tiny --dtypes float32 --ichunks 0,2 --tchunks 0 --qchunks 0 "
     "--modes forward --impl plugins.wrong_at_one_point:make_impl": LIST,
     "PYTHONPATH=tests csa-parity run --impl plugins.quantizer_stage --cases quant_planted,quant_v4": LIST,
@@ -92,6 +92,8 @@ HOW = {
     "python -m harness.selftest.judge_mutations --only NAME": HELP,
     "python -m harness.selftest.mutations": HELP,
     "python -m harness.selftest.mutations --only NAME": HELP,
+    "python -m harness.selftest.mutations --dtype float32": HELP,
+    "python scripts/measure_platform_profile.py --write": HELP,
     "python -m harness.run.multihost --judge /shared/mh": HELP,
     "python -m harness.run.multihost --judge /tmp/mh": HELP,
     "python -m harness.run.multihost --judge DIR": HELP,
@@ -122,7 +124,7 @@ HOW = {
     "make parity": MAKE, "make test": MAKE, "make test312": MAKE, "make venv": MAKE, "make venv312": MAKE,
     # installs
     "pip install -c constraints.txt --extra-index-url https://download.pytorch.org/whl/cpu \"torch==2.13.0+cpu\"": PIP,
-    "pip install -c constraints.txt -e '.[tpu,reference]'": PIP,
+    "pip install -c constraints.txt -e '.[tpu]'": PIP,
 }
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)

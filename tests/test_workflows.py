@@ -88,7 +88,7 @@ def test_tpu_job_skips_fork_pull_requests(tpu):
 
 def test_tpu_commands(tpu):
     job = _job(tpu)
-    assert job["env"]["JAX_PLATFORMS"] == "tpu"
+    assert "JAX_PLATFORMS" not in job["env"]  # unset: JAX picks the TPU
     runs = {s["id"]: s["run"] for s in _run_steps(job)}
     assert "-c constraints.txt -e '.[tpu,reference]'" in runs["install"]
     assert "python -m harness.run.platform_table" in runs["platform"]
@@ -96,14 +96,15 @@ def test_tpu_commands(tpu):
     assert "scripts/regenerate_fixtures.py --check" in runs["check"]
     assert re.search(r'python -m pytest -n "\$PYTEST_WORKERS" --junitxml=', runs["matrix"])
     assert "csa-parity run" in runs["report"] and '--jobs "$PARITY_JOBS"' in runs["report"]
+    assert '--sample "$CSA_PARITY_SAMPLE"' in runs["report"] and "'tpu'" in job["env"]["CSA_PARITY_SAMPLE"]
     # Random configurations: the nightly hypothesis profile except on pull requests.
     assert "$RANDOM_ARGS" in runs["random"] and "tests/test_random_configs.py" in job["env"]["RANDOM_ARGS"]
     assert "'nightly'" in job["env"]["HYPOTHESIS_PROFILE"] and "'ci'" in job["env"]["HYPOTHESIS_PROFILE"]
     assert "install -c constraints.txt hypothesis" in runs["install"]
     # One process owns the TPU (see the workflow's comment): one pytest worker, one CLI job.
     assert job["env"]["PARITY_JOBS"] == "1"
-    assert tpu["on"]["workflow_dispatch"]["inputs"]["pytest_workers"]["default"] == "1"
-    assert "|| '1'" in job["env"]["PYTEST_WORKERS"]
+    assert tpu["on"]["workflow_dispatch"]["inputs"]["pytest_workers"]["default"] == "0"
+    assert "|| '0'" in job["env"]["PYTEST_WORKERS"]
 
 
 @pytest.mark.parametrize("name", ["tpu", "ci"])
@@ -199,6 +200,7 @@ def _cpu_env(job: dict, tmp_path: Path) -> dict[str, str]:
         "JAX_DEFAULT_MATMUL_PRECISION": "highest",
         "PYTEST_WORKERS": "1",
         "PARITY_JOBS": "1",
+        "CSA_PARITY_SAMPLE": "ci",
         "PYTEST_ARGS": "tests/test_cases.py -k test_required_cases_present -p no:cacheprovider",
         "CHECK_ARGS": "--case tiny",
         "PARITY_ARGS": "--cases tiny --dtypes float64 --sample ci",  # one point, compiled by the matrix tests

@@ -107,7 +107,8 @@ def reduction_length(quantity: str, dims: dict) -> int | None:
 # to half its unit roundoff, 2^-(bits + 2), the convention of the bfloat16 (2^-9, 7 bits)
 # and float16 (2^-12, 10 bits) rows above; the torch reference (CPU) keeps true float32, so
 # without the raised floor every float32 matmul result would fail. On CPU `default` equals
-# `highest` (same numbers, same table). To be re-measured on the first TPU/GPU run.
+# `highest` (same numbers, same table). On a TPU the floor alone does not cover what its
+# arithmetic costs: a measured platform profile multiplies the oracle bounds (below).
 # The `highest` table is never loosened to absorb `default`.
 PROFILES = ("highest", "default")
 
