@@ -453,6 +453,60 @@ def test_chunk_topk_compares_against_native_with_the_oracles_window():
     assert r.status == FAILED, f"rule 'chunk-topk is against native': {r.message}"
 
 
+# --------------------------------------------------------------------------- platform profiles
+
+PROFILE_FACTOR = 4.0
+ON_A_DEVICE = Policy("highest", "tpu", tuple((d, k, PROFILE_FACTOR) for d in ("float32", "bfloat16", "float16")
+                                             for k in ("forward", "loss", "grad")), "a-device")
+
+
+@pytest.mark.parametrize("quantity", ["compressed_keys", "loss", "grad.indexer.wq_b"])
+def test_a_platform_profile_multiplies_the_oracle_bound_and_not_the_chunk_bound(quantity):
+    """platform profile (harness/platforms.py): on a device with a measured profile the oracle
+    bound is factor * alpha * max(err(reference@t), floor), and the check's note names the
+    profile; the chunk check against native keeps CHUNK[t][kind]."""
+    mode, name, kind, scale, make = QUANTITIES[quantity]
+    oracle = make(_rng(3))
+    t_err = 0.05
+    torch_t = _bump(oracle, t_err, _first(oracle), scale)
+    bound = PROFILE_FACTOR * ALPHA[kind] * t_err
+
+    def run(f):
+        cand = Outputs("hand-made", {name: _bump(oracle, f * bound, scale=scale)})
+        refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@bf16", {name: torch_t}))
+        return _only(judge(_entry(quantity), cand, refs, ON_A_DEVICE), "oracle")
+
+    _assert_boundary(f"platform profile: factor * alpha[{kind}] * err(reference@t) ({quantity})", run, bound)
+    assert "platform factor 4 (a-device)" in run(ABOVE).note
+    native = _bump(oracle, 1e-3, _first(oracle), scale)
+    chunk = tolerance.chunk_bound("bfloat16", quantity)
+
+    def run_chunk(f):
+        cand = Outputs("hand-made", {name: _bump(native, f * chunk, scale=scale)})
+        refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@bf16", {name: torch_t}),
+                          native=Outputs("native", {name: native}))
+        return _only(judge(_entry(quantity, ichunk=1), cand, refs, ON_A_DEVICE), "chunk")
+
+    _assert_boundary(f"platform profile leaves the chunk bound ({quantity})", run_chunk, chunk)
+
+
+def test_a_platform_profile_widens_the_oracle_tie_window_and_not_chunk_topks():
+    """platform profile: the oracle top-k's tie window is factor times as wide; chunk-topk,
+    which compares the device with itself, keeps the CPU's window."""
+    def run(f, check):
+        scores, torch_t, _ = _topk_problem([2], f * PROFILE_FACTOR if check == "topk" else f)
+        refs = References(Outputs("oracle", {"index_scores": scores, "topk_indices": ORACLE_PICKS}),
+                          Outputs("torch@bf16", {"index_scores": torch_t}),
+                          native=Outputs("native", {"topk_indices": ORACLE_PICKS}))
+        cand = Outputs("c", {"topk_indices": _swap(ORACLE_PICKS, 2, [0, 2])})
+        return _only(judge(_entry("topk_indices", mode="forward", ichunk=1), cand, refs, ON_A_DEVICE), check)
+
+    _assert_boundary("platform profile: the oracle tie window x factor", lambda f: run(f, "topk"), 0.0,
+                     at_bound=(EXCUSED, FAILED))
+    _assert_boundary("platform profile leaves the chunk-topk window", lambda f: run(f, "chunk-topk"), 0.0,
+                     at_bound=(EXCUSED, FAILED))
+
+
 # --------------------------------------------------------------------------- isolation
 
 

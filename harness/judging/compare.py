@@ -235,7 +235,8 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
     one_order = t_err
     if order_error is not None:
         t_err = max(t_err, float(order_error))
-    bound = factor * alpha * max(t_err, floor)
+    bound = alpha * max(t_err, floor)
+    bound *= factor
     orders = "" if order_error is None else f" (max over evaluation orders; this order {one_order:.3g})"
     note = f"torch-at-dtype error {t_err:.3g}{orders}, floor {floor:.3g}, alpha {alpha:g}"
     if factor != 1.0 or profile:

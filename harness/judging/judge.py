@@ -105,8 +105,8 @@ def _versus_oracle(quantity, name, candidate, refs: References, oracle_name, bas
                              _scale(name))
     return oracle_relative(quantity, candidate, oracle, refs.at_dtype[baseline_name], policy.alpha(name),
                            policy.floor(dtype, name, refs.dims), _scale(name), check="oracle@sel" if sel else "oracle",
-                           order_error=refs.order_errors.get(baseline_name), factor=policy.oracle_factor(dtype, name),
-                           profile=policy.platform_profile)
+                           factor=policy.oracle_factor(dtype, name), profile=policy.platform_profile,
+                           order_error=refs.order_errors.get(baseline_name))
 
 
 def _topk(outputs: Outputs, refs: References, dtype: str, policy: Policy, check: str = "topk",

@@ -143,6 +143,22 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "every dtype's floor read from the bfloat16 row: float32 floors 2^15 times looser",
     ),
     HarnessMutant(
+        "platform_factor_ignored", "bound", "judging/compare.py",
+        "    bound *= factor\n",
+        "    bound *= 1.0\n",
+        _rules("test_a_platform_profile_multiplies_the_oracle_bound_and_not_the_chunk_bound"), "platform profile",
+        "a device's measured profile named in the note but never applied: every oracle check of a TPU run is "
+        "judged by the CPU's bound",
+    ),
+    HarnessMutant(
+        "platform_factor_in_chunk_topk", "bound", "judging/judge.py",
+        "refs.order_errors.get(\"index_scores\"), refs.dims, versus_oracle=against is None)",
+        "refs.order_errors.get(\"index_scores\"), refs.dims, versus_oracle=True)",
+        _rules("test_a_platform_profile_widens_the_oracle_tie_window_and_not_chunk_topks"), "platform profile",
+        "the profile's factor widens the chunk-topk tie window too: a chunked run on a TPU may pick other "
+        "blocks than its own native run by far more than a tie",
+    ),
+    HarnessMutant(
         "order_error_ignored", "bound", "judging/judge.py",
         "order_error=refs.order_errors.get(baseline_name))",
         "order_error=None)",
