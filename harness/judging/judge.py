@@ -13,6 +13,8 @@ For an entry (case, dtype t, chunks, mode, quantity) of implementation X:
   oracle     X@t vs the float64 oracle: <= alpha * max(err(reference@t), floor[t]), where
              err(reference@t) is at least the stored order error and the floor
              at least sqrt(n) unit roundoffs of the problem's reduction length;
+             on a device with a measured platform profile (policy.oracle_factor,
+             harness.platforms) times its factor, and so is the oracle top-k's tie window;
              for t = float64 the check is `exact64` instead (bound EXACT64).
   chunk      X@t chunked (head chunks, query chunks) vs X@t native (a sharded point: vs the
              same knobs on one device):
