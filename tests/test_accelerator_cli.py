@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness import platforms
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,3 +85,16 @@ def test_which_hosts_start_one_worker_first(monkeypatch):
     line = platforms.busy_line("Unable to initialize backend 'tpu': ABORTED: The TPU is already in use by process "
                                "with pid 77. Not attempting to load libtpu.so in this process.")
     assert line.startswith("the TPU is in use by process 77 (") and "end process 77" in line
+
+
+@pytest.mark.torch
+def test_torch_capability_is_read_only_where_torch_is_imported():
+    """parity.json's torch_cpu_capability comes from a worker whose reference imported torch;
+    asking never imports it."""
+    code = ("import sys; from harness import platforms; a = platforms.torch_cpu_capability(); "
+            "assert 'torch' not in sys.modules; import torch; b = platforms.torch_cpu_capability(); "
+            "print(a, b == torch.backends.cpu.get_cpu_capability(), b)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, same, value = out.stdout.split()
+    assert first == "None" and same == "True" and value
