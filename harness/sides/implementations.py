@@ -769,8 +769,13 @@ def prefetch(specs, threads: int) -> int:
         if not (out.error or out.errors or out.not_applicable):
             _PREFETCHED[(point.case, point, directory)] = out
 
+    # In batches, dropping the compiled programs between them (their outputs are kept): a process
+    # holding hundreds of programs runs out of memory mappings (harness.sides.worker.release_programs).
+    batch = 4 * max(1, threads)
     with worker.quietly(), cf.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        list(pool.map(one, specs))
+        for i in range(0, len(specs), batch):
+            list(pool.map(one, specs[i:i + batch]))
+            worker.release_programs()
     return len(_PREFETCHED)
 
 

@@ -160,7 +160,7 @@ def resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _release_programs() -> None:
+def release_programs() -> None:
     """Drop the compiled programs JAX keeps in memory once a point is judged. A point's programs
     serve that point alone (its native run's outputs are kept as arrays), and each holds its
     machine code in memory mappings for as long as JAX caches it: a worker of the default sample
@@ -210,7 +210,7 @@ def _main(conn, init: dict) -> None:
             before, start = ahead or (timing.snapshot(), time.perf_counter())
             ahead = None
             records = resolve(init["task"])(entries, reference, profile)
-            _release_programs()
+            release_programs()
             split = timing.split(before, timing.snapshot())
             from ..platforms import torch_cpu_capability
 
