@@ -385,7 +385,10 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
             specs = sorted({p.spec() for g in ordered for p, _ in g}
                            | {p.native.spec() for g in ordered for p, _ in g if p.native is not None})
             if args.impl == "jax":
-                prefetch = ("harness.sides.implementations:prefetch", (specs, min(12, os.cpu_count() or 1)))
+                threads = min(12, os.cpu_count() or 1)
+                # the time limit once per batch of programs it compiles ahead (prefetch's batches)
+                batches = -(-len(specs) // (4 * threads))
+                prefetch = ("harness.sides.implementations:prefetch", (specs, threads), timeout * batches)
         elif len(started) < want:
             started.extend(spawn(init, want - len(started)))
     meta = {

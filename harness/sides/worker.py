@@ -223,6 +223,7 @@ def _main(conn, init: dict) -> None:
             ahead = (timing.snapshot(), time.perf_counter())  # its programs and time: the first point's
             with contextlib.suppress(Exception):
                 resolve(target)(*args)
+            conn.send(("prefetched",))
         elif msg[0] == "call":
             _, target, args, path, _ = msg
             sys.path[:] = path
@@ -274,6 +275,7 @@ class _Worker:
         self.spawned = time.monotonic()
         self.startup = 0.0  # seconds from spawn to ready: charged to the first point it answers
         self.device = None  # what harness.platforms.device_info found in it (init["device_info"])
+        self.grace = 0.0  # seconds beyond the time limit while it works ahead (a prefetch), 0 after
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -371,9 +373,10 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
     it is killed), is replaced; the point runs again with the call it was in poisoned (up to
     MAX_RERUNS times), or, if it died outside any call, gets `error_records(entries, line)` as a
     whole. `started`: workers of `spawn` (same `init`) to use first; every one is ended when this
-    returns. `prefetch`: (`module:function`, args) each first worker runs before its first point
-    (harness.sides.implementations.prefetch: the programs of every point compiled in threads, where
-    one worker runs them all); its time counts toward that point's time limit."""
+    returns. `prefetch`: (`module:function`, args, seconds) each first worker runs before its first
+    point (harness.sides.implementations.prefetch: the programs of every point compiled in threads,
+    where one worker runs them all), within `seconds`; the first point's time limit starts when it
+    ends."""
     pending = deque(deque(g) for g in groups if g)
     started = list(started)
     poison: dict[tuple[str, str], str] = {}
@@ -384,6 +387,7 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
             w = _ready(started.pop(0)) if started else _start({**init, "poison": poison})
             if prefetch is not None:
                 w.conn.send(("prefetch", prefetch[0], prefetch[1], {}))
+                w.grace = prefetch[2]
             slots.append((w, pending.popleft()))
         while slots:
             for i, (w, queue) in enumerate(list(slots)):
@@ -407,12 +411,14 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
             if not slots:
                 break
             now = time.monotonic()
-            wait_s = max(0.0, min(w.started + timeout - now for w, _ in slots))
+            wait_s = max(0.0, min(w.started + timeout + w.grace - now for w, _ in slots))
             mpc.wait([w.conn for w, _ in slots] + [w.proc.sentinel for w, _ in slots], timeout=wait_s)
             for i, (w, queue) in enumerate(list(slots)):
                 for msg in w.messages():
                     if msg[0] == "stage":
                         w.last = msg[1]
+                    elif msg[0] == "prefetched":  # the first point's own time limit starts now
+                        w.grace, w.started = 0.0, time.monotonic()
                     elif msg[0] == "done":
                         point, entries = w.task
                         w.task = None
@@ -425,9 +431,10 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                 if w.task is None:
                     continue
                 elapsed = time.monotonic() - w.started
-                if w.proc.is_alive() and elapsed <= timeout:
+                if w.proc.is_alive() and elapsed <= timeout + w.grace:
                     continue
-                what = (f"timed out after {timeout:g} s" if w.proc.is_alive() else describe_exit(w.proc.exitcode))
+                what = (f"timed out after {timeout + w.grace:g} s" + (" (working ahead)" if w.grace else "")
+                        if w.proc.is_alive() else describe_exit(w.proc.exitcode))
                 w.kill()
                 point, entries = w.task
                 line = crash_line(what, point.label, w.last)
