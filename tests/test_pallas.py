@@ -199,7 +199,7 @@ def test_the_loss_exports_for_tpu_at_production_shape(seq, rows, dtype):
     cfg = jax_impl.CSAConfig(**{**PRODUCTION, "query_chunk": rows, "scoring_backend": "pallas"})
     w = seq // 4
     tiles = default_tiles(rows, w)
-    assert (tiles.rows, tiles.keys) == (128, 512)
+    assert (tiles.rows, tiles.keys) == (256, 256)
     assert tiles.legal(rows, w, jnp.dtype(dtype).itemsize) is None
     text = export_loss(cfg, 1, seq, dtype)
     assert text.count("tpu_custom_call") >= 3
@@ -214,14 +214,14 @@ def test_the_xla_backend_at_production_shape_has_the_per_head_buffer():
 
 
 def test_illegal_tiles_are_refused_by_the_rule_and_by_the_tpu_lowering():
-    assert Tiles(16, 100).legal(256, 640, 2) == "key tile 100 is neither W=640 nor a multiple of 128"
-    assert Tiles(8, 128).legal(256, 640, 2) == "row tile 8 is neither S=256 nor a multiple of 16"
-    assert Tiles(8, 128).legal(256, 640, 4) is None
+    assert Tiles(128, 100).legal(256, 640) == "key tile 100 is neither W=640 nor a multiple of 128"
+    assert Tiles(16, 128).legal(256, 640) == "row tile 16 is neither S=256 nor a multiple of 128"
+    assert Tiles(256, 128).legal(256, 640) is None
     q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.float32)
     k = jax.ShapeDtypeStruct((1, 640, 128), jnp.float32)
     w = jax.ShapeDtypeStruct((1, 256, 4), jnp.float32)
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
-        export.export(jax.jit(lambda q, k, w: contribution(q, k, w, Tiles(16, 100))), platforms=["tpu"])(q, k, w)
+        export.export(jax.jit(lambda q, k, w: contribution(q, k, w, Tiles(128, 100))), platforms=["tpu"])(q, k, w)
 
 
 # ----------------------------------------------------------------------------- stage plug-in
