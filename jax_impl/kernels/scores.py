@@ -78,6 +78,9 @@ LANES = 128
 # What a core's VMEM may hold for one kernel (v5e: 128 MiB per core); `vmem_budget` refuses
 # tiles whose budget exceeds it.
 VMEM_CAP = 100 * 2**20
+# The least limit a kernel asks for: Mosaic's own default scoped limit on v5e (16 MiB), so a
+# small problem's kernel keeps the room Mosaic's internal scratch is used to.
+VMEM_FLOOR = 16 * 2**20
 # The body's own temporaries, in [tw, ts] float32 tiles (logits, masked cotangent, its two
 # bfloat16 terms, the product) and [*, DI] float32 rows: what Mosaic may hold beside the
 # blocks and the scratch. An allowance, not a measurement: the chip's compile is the judge.
@@ -306,9 +309,10 @@ class Plan:
 
     @property
     def budget(self) -> int:
-        """The declared VMEM budget: blocks (x2) + scratch + temporaries, rounded up to 1 MiB."""
+        """The declared VMEM budget: blocks (x2) + scratch + temporaries, rounded up to 1 MiB,
+        at least VMEM_FLOOR."""
         need = self.block_bytes + self.scratch_bytes + self.temporaries
-        return -(-need // 2**20) * 2**20
+        return max(VMEM_FLOOR, -(-need // 2**20) * 2**20)
 
 
 def vmem_budget(kernel: str, heads: int, head_dim: int, dtypes, tiles: Tiles) -> Plan:
