@@ -55,7 +55,7 @@ GRAD_RTOL32 = 1e-5
 
 def test_the_kernel_check_passes_on_the_committed_code():
     results = kernel_check()
-    assert len(results) == 5
+    assert len(results) == 9
     failed = [r.message for r in results if r.failed]
     assert not failed, "\n".join(failed)
 
@@ -276,3 +276,108 @@ def test_the_rerun_command_of_a_pallas_point_selects_exactly_that_point():
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
                            sample=args.sample, teachers=args.teachers, backends=args.backends)
     assert {e.point for e in entries} == {point}
+
+
+# ----------------------------------------------------------------------------- off-chip pins
+
+def _pallas_calls(jaxpr) -> list:
+    """Every pallas_call equation in a jaxpr, through custom VJPs, conds and loops."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            out.append(e)
+            continue
+        for p in e.params.values():
+            for x in (p if isinstance(p, (tuple, list)) else (p,)):
+                sub = getattr(x, "jaxpr", x)
+                if hasattr(sub, "eqns"):
+                    out += _pallas_calls(sub)
+    return out
+
+
+def _dots(jaxpr) -> list:
+    """Every dot_general equation of a kernel body, through its loops and branches."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append(e)
+        for p in e.params.values():
+            for x in (p if isinstance(p, (tuple, list)) else (p,)):
+                sub = getattr(x, "jaxpr", x)
+                if hasattr(sub, "eqns"):
+                    out += _dots(sub)
+    return out
+
+
+def _traced_kernels(dtype, seq=512, heads=4, w=384, tiles=None, valid=False):
+    q = jax.ShapeDtypeStruct((1, seq, heads, 128), dtype)
+    k = jax.ShapeDtypeStruct((1, w, 128), dtype)
+    hw = jax.ShapeDtypeStruct((1, seq, heads), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, seq, w), jnp.bool_)
+
+    def f(q, k, hw, mask):
+        out, pull = jax.vjp(lambda a, b, c: contribution(a, b, c, tiles, mask if valid else None), q, k, hw)
+        return out, *pull(out)
+
+    calls = _pallas_calls(jax.make_jaxpr(f)(q, k, hw, mask).jaxpr)
+    # Each kernel twice: the Mosaic call (TPU) and the interpreted one (the default branch).
+    assert sorted({c.params["name"] for c in calls}) == ["csa_index_scores", "csa_index_scores_dk",
+                                                          "csa_index_scores_dq"]
+    return calls
+
+
+# What each operand dtype is multiplied at: bfloat16 at DEFAULT (exact products, float32
+# accumulation), float32 at HIGHEST (Mosaic's fp32 contract precision).
+PRECISION_OF = {jnp.dtype(jnp.bfloat16): jax.lax.Precision.DEFAULT, jnp.dtype(jnp.float32): jax.lax.Precision.HIGHEST}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_kernel_dot_names_its_precision_and_float32_accumulation(dtype):
+    """A dot without a named precision takes the global jax.default_matmul_precision; with
+    HIGHEST on bfloat16 operands Mosaic refuses to compile ("Bad lhs type")."""
+    for call in _traced_kernels(jnp.dtype(dtype)):
+        dots = _dots(call.params["jaxpr"])
+        assert dots, call.params["name"]
+        for d in dots:
+            a, b = (v.aval.dtype for v in d.invars)
+            assert a == b, (call.params["name"], a, b)
+            assert d.params["precision"] == (PRECISION_OF[a], PRECISION_OF[a]), (call.params["name"], d.params)
+            assert d.params["preferred_element_type"] == jnp.float32, (call.params["name"], d.params)
+
+
+def _block_bytes(call) -> tuple[int, int]:
+    """(blocks double-buffered, scratch) bytes of a traced pallas_call, each buffer padded to
+    the (sublane, 128) tile of its dtype."""
+    from jax_impl.kernels.scores import _padded_bytes
+
+    gm = call.params["grid_mapping"]
+    blocks = 0
+    for bm in gm.block_mappings:
+        shape = [d.block_size for d in bm.block_shape if hasattr(d, "block_size")]
+        blocks += 2 * _padded_bytes(shape, bm.array_aval.dtype)
+    scratch_vars = call.params["jaxpr"].invars[len(call.params["jaxpr"].invars) - gm.num_scratch_operands:]
+    scratch = sum(_padded_bytes(v.aval.shape, v.aval.dtype) for v in scratch_vars)
+    return blocks, scratch
+
+
+@pytest.mark.parametrize("dtype,seq,heads,w,tiles", [
+    ("bfloat16", 8192, 64, 2048, None), ("float32", 8192, 64, 2048, None),
+    ("bfloat16", 1024, 64, 8192, None), ("float32", 1000, 8, 250, Tiles(256, 128))])
+def test_no_kernel_holds_more_than_the_vmem_budget_it_declares(dtype, seq, heads, w, tiles):
+    """Tracing only (make_jaxpr): the released shape at its default tiles (a whole sequence, and
+    a query block of 1024 rows against 8192 key blocks) and a partial-tile shape. The
+    declared budget is the Mosaic vmem_limit_bytes of each call, at most VMEM_CAP."""
+    from jax_impl.kernels.scores import VMEM_CAP
+
+    for call in _traced_kernels(jnp.dtype(dtype), seq, heads, w, tiles, valid=True):
+        declared = call.params["compiler_params"].vmem_limit_bytes
+        blocks, scratch = _block_bytes(call)
+        assert declared <= VMEM_CAP, (call.params["name"], declared)
+        assert blocks + scratch <= declared, (call.params["name"], blocks, scratch, declared)
+
+
+def test_tiles_past_the_vmem_cap_are_refused():
+    from jax_impl.kernels import vmem_budget
+
+    with pytest.raises(ValueError, match="needs .* MiB of VMEM"):
+        vmem_budget("dq", 64, 128, (jnp.float32,) * 4, Tiles(1024, 256))
