@@ -11,9 +11,9 @@ float64 kernels with tile skipping, the bfloat16 forward kernel):
   its numbers. The forward and the VJP (dq, dK, dw under a fixed random cotangent) against
   plain JAX autodiff of `jax_impl.scoring.head_contribution_autodiff`: EXACT64 (same math,
   summation order only).
-- float64, the same shape and cotangent, tiles (8, 4), with a validity mask: causal (query s
+- float64, the same shape and cotangent, tiles (4, 4) (square, as above), with a validity mask: causal (query s
   sees block j when 2j + 2 <= s + 1) and packed (two documents, rows 0..12 and 13..20; the block
-  straddling the boundary is invalid). Of the 3 x 3 tiles, 4 hold no valid entry (past the
+  straddling the boundary is invalid). Of the 6 x 3 tiles, 8 hold no valid entry (past the
   diagonal, or the second document's rows against the first's blocks) and are skipped; the
   others are partly valid. The masked forward and its VJP (the cotangent masked
   too, as behind the -inf mask) against the same masks applied to the autodiff reference:
@@ -37,7 +37,7 @@ from ..judging.tolerance import EXACT64, KERNEL_BF16_FORWARD
 SHAPE = {"B": 2, "S": 21, "c": 3, "DI": 8, "W": 10}
 TILES64 = (8, 8)
 TILES16 = (16, 8)
-TILES_MASKED = (8, 4)
+TILES_MASKED = (4, 4)
 DOC_START = 13  # the second document's first row
 CHECK = "kernel"
 
