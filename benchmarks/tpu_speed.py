@@ -125,8 +125,9 @@ def _measure(name, jitted, args, repeats, hbm_bytes, log):
 # -- the scoring stage ---------------------------------------------------------------------
 
 
-def stage_programs(seq: int, rows: int | None, dtype=jnp.bfloat16):
-    """{(impl, mode): (jitted, args)} of the scoring stage at S=seq; `rows`: query blocks."""
+def stage_programs(seq: int, rows: int | None, dtype=jnp.bfloat16, tiles=None, impls=("xla", "pallas")):
+    """{(impl, mode): (jitted, args)} of the scoring stage at S=seq; `rows`: query blocks;
+    `tiles`: the Pallas kernels' (default: `default_tiles`)."""
     from jax_impl.api import score_stage
     from jax_impl.kernels import contribution, default_tiles, live_tiles_by_rows
 
@@ -143,7 +144,7 @@ def stage_programs(seq: int, rows: int | None, dtype=jnp.bfloat16):
 
     def pallas(q, keys, hw, start):
         n = q.shape[1]
-        live = live_tiles_by_rows(lambda r: causal_rows(start + r, w), n, w, default_tiles(n, w))
+        live = live_tiles_by_rows(lambda r: causal_rows(start + r, w), n, w, tiles or default_tiles(n, w))
         return contribution(q, keys, hw, valid=live) * scale
 
     def fwd_bwd(f):
@@ -177,7 +178,7 @@ def stage_programs(seq: int, rows: int | None, dtype=jnp.bfloat16):
         return jax.jit(prog)
 
     progs = {}
-    for impl, f in (("xla", xla), ("pallas", pallas)):
+    for impl, f in ((i, {"xla": xla, "pallas": pallas}[i]) for i in impls):
         for mode in ("fwd", "fwd+bwd"):
             g = f if mode == "fwd" else fwd_bwd(f)
             progs[(impl, mode)] = (blocked(f, mode != "fwd") if rows else whole(g), (q, keys, hw))
@@ -206,6 +207,32 @@ def run_stage(seqs, repeats, stage_rows, hbm, peak, log, dtype_names=("bfloat16"
     return rows_out
 
 
+def parse_variant(text: str):
+    """'256x256u8' -> Tiles(256, 256, unroll=8)."""
+    from jax_impl.kernels import Tiles
+
+    size, _, unroll = text.partition("u")
+    rows, keys = (int(v) for v in size.split("x"))
+    return Tiles(rows, keys, int(unroll or 1))
+
+
+def run_variants(seq, variants, repeats, hbm, peak, log):
+    """The Pallas stage at other tiles (bfloat16, S=seq): the measurements that pick the defaults."""
+    out = []
+    for text in variants:
+        tiles = parse_variant(text)
+        log(f"stage S={seq} pallas tiles {text}")
+        for (impl, mode), (jitted, args) in stage_programs(seq, None, jnp.bfloat16, tiles, ("pallas",)).items():
+            r = _measure(f"stage pallas {mode} S={seq} tiles {text}", jitted, args, repeats, hbm, log)
+            products = 1 if mode == "fwd" else 4
+            r.update(program="stage", impl=f"pallas {text}", mode=mode, seq=seq, dtype="bfloat16", query_rows=0,
+                     dense_flop=dense_flops(seq, products),
+                     causal_flop=dense_flops(seq, products) * causal_fraction(seq))
+            _fractions(r, peak)
+            out.append(r)
+    return out
+
+
 def _fractions(r, peak):
     if r.get("status") == "ran" and peak:
         s = r["median_ms"] / 1e3
@@ -223,8 +250,11 @@ def step_configs(seq: int, step_rows: int):
     xla = bench_config(1, 1)
     xla_rows = bench_config(1, 8, query_chunk=rows)
     pallas = bench_config(0, 8, query_chunk=rows, scoring_backend="pallas")
+    # XLA at S > 32768 is not run: its query-blocked step takes ~15 s a run there (it scales as
+    # S**2 from 60 ms at 8192), more device time than this benchmark is given.
     out = [("xla", "head chunk 1, teacher chunk 1", xla)] if seq <= 8192 else []
-    out.append(("xla", f"head chunk 1, query blocks {rows}, teacher chunk 8", xla_rows))
+    if seq <= 32768:
+        out.append(("xla", f"head chunk 1, query blocks {rows}, teacher chunk 8", xla_rows))
     out.append(("pallas", f"all heads, query blocks {rows}, teacher chunk 8", pallas))
     return out
 
@@ -308,6 +338,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--stage-rows", type=int, default=8192, help="query block rows where the stage needs them")
     p.add_argument("--step-rows", type=int, default=1024, help="query block rows of the Pallas step")
+    p.add_argument("--variants", default="", help="extra Pallas tiles for the S=8192 stage, e.g. 256x256u8,512x256 "
+                   "(rows x keys, u: heads per head-loop iteration)")
     p.add_argument("--out", default=os.path.join(HERE, "tpu_results.json"))
     args = p.parse_args(argv)
     backend = jax.default_backend()
@@ -329,6 +361,8 @@ def main(argv=None):
     rows = []
     if args.only in (None, "stage"):
         rows += run_stage(seqs, args.repeats, args.stage_rows, hbm, peak, log)
+        if args.variants:
+            rows += run_variants(8192, args.variants.split(","), args.repeats, hbm, peak, log)
     if args.only in (None, "step"):
         rows += run_step(seqs, args.repeats, args.step_rows, hbm, peak, log)
     print_table(rows)

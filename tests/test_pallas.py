@@ -381,3 +381,29 @@ def test_tiles_past_the_vmem_cap_are_refused():
 
     with pytest.raises(ValueError, match="needs .* MiB of VMEM"):
         vmem_budget("dq", 64, 128, (jnp.float32,) * 4, Tiles(1024, 256))
+
+
+def test_every_index_map_and_kernel_scalar_is_32_bit_under_x64():
+    """Mosaic refuses 64-bit block indices ("failed to legalize operation 'func.func'"), and the
+    tests run with jax_enable_x64: a literal 0 in an index map would be int64 there."""
+    assert jax.config.jax_enable_x64
+    for call in _traced_kernels(jnp.dtype(jnp.bfloat16), valid=True):
+        for bm in call.params["grid_mapping"].block_mappings:
+            outs = [v.aval.dtype for v in bm.index_map_jaxpr.jaxpr.outvars]
+            assert all(d == jnp.int32 for d in outs), (call.params["name"], outs)
+        body = call.params["jaxpr"]
+        wide_ints = {str(v.aval.dtype) for e in _all_eqns(body) for v in e.outvars
+                     if hasattr(v.aval, "dtype") and v.aval.dtype == jnp.int64}
+        assert not wide_ints, call.params["name"]
+
+
+def _all_eqns(jaxpr) -> list:
+    out = []
+    for e in jaxpr.eqns:
+        out.append(e)
+        for p in e.params.values():
+            for x in (p if isinstance(p, (tuple, list)) else (p,)):
+                sub = getattr(x, "jaxpr", x)
+                if hasattr(sub, "eqns"):
+                    out += _all_eqns(sub)
+    return out

@@ -510,8 +510,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kernel_head_loop_bound", "scoring", "kernels/scores.py",
-        "    jax.lax.fori_loop(jnp.int32(0), jnp.int32(heads), step, jnp.int32(0))\n",
-        "    jax.lax.fori_loop(jnp.int32(0), jnp.int32(heads - 1), step, jnp.int32(0))\n",
+        "    groups, rest = divmod(heads, u)\n",
+        "    groups, rest = divmod(heads - 1, u)\n",
         ("kernel",), (), "every kernel's head loop stops one head short: the last head never contributes",
         kernel=True, killing_test="tests/test_pallas.py",
     ),

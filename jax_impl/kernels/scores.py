@@ -96,6 +96,7 @@ class Tiles:
 
     rows: int
     keys: int
+    unroll: int = 1  # heads per iteration of the in-kernel head loop (all heads: a Python loop)
 
     def legal(self, seq_len: int, num_blocks: int, itemsize: int = 4) -> str | None:
         """None when legal on TPU for [.., S, W] (inputs of `itemsize` bytes), else why not."""
@@ -154,13 +155,22 @@ def _dot_terms(terms, other, contract, wide, terms_first):
     return out
 
 
-def _over_heads(heads, body):
-    """`body(h)` for h = 0 .. heads - 1 (an int32 counter: Mosaic indexes in 32 bits, also
-    under jax_enable_x64)."""
-    def step(h, carry):
-        body(h)
+def _over_heads(heads, body, unroll=1):
+    """`body(h)` for h = 0 .. heads - 1, `unroll` heads per iteration of a loop with an int32
+    counter (Mosaic indexes in 32 bits, also under jax_enable_x64; fori_loop's own `unroll`
+    would count in Python ints, int64 there), the remainder after the loop."""
+    u = max(1, min(unroll, heads))
+    groups, rest = divmod(heads, u)
+
+    def step(g, carry):
+        for k in range(u):
+            body(g * u + k)
         return carry
-    jax.lax.fori_loop(jnp.int32(0), jnp.int32(heads), step, jnp.int32(0))
+
+    if groups:
+        jax.lax.fori_loop(jnp.int32(0), jnp.int32(groups), step, jnp.int32(0))
+    for k in range(rest):
+        body(jnp.int32(groups * u + k))
 
 
 def _live(bits_ref, b, i, j, nr, nwords):
@@ -180,7 +190,7 @@ def _transpose(x):
 # ----------------------------------------------------------------------------------- kernels
 
 
-def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od):
+def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od, unroll):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
     live = _live(bits, b, i, j, nr, nwords)
@@ -194,7 +204,7 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
             logits = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide)  # [tw, ts]
             acc_ref[...] += w_ref[h] * jnp.maximum(logits, 0)
 
-        _over_heads(heads, head)
+        _over_heads(heads, head, unroll)
         o_ref[...] = acc_ref[...].T.astype(o_ref.dtype)
 
     @pl.when(jnp.logical_not(live))
@@ -203,7 +213,7 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
 
 
 def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_ref, acc_ref, *, heads, nr,
-               nwords, od, num_blocks, key_tile):
+               nwords, od, unroll, num_blocks, key_tile):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
 
@@ -227,7 +237,7 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
             m = tuple(jnp.where(fired, t, 0).astype(od) for t in gt)
             acc_ref[h] += _dot_terms(m, kt, ((1,), (0,)), wide, terms_first=False)  # [DI, ts]
 
-        _over_heads(heads, head)
+        _over_heads(heads, head, unroll)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
@@ -236,11 +246,11 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
             dq_ref[h] = (mk * w_ref[h]).T.astype(dq_ref.dtype)
             dw_ref[h] = jnp.sum(q_ref[h].astype(wide).T * mk, axis=0, keepdims=True).astype(dw_ref.dtype)
 
-        _over_heads(heads, head)
+        _over_heads(heads, head, unroll)
 
 
 def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc_ref, *, heads, nr, nwords, od,
-               seq_len, row_tile):
+               unroll, seq_len, row_tile):
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
 
@@ -269,7 +279,7 @@ def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc
             p = jnp.where(logits > 0, gt, 0) * w
             acc_ref[...] += _dot_terms(_terms(p, od), q, ((1,), (0,)), wide, terms_first=True)  # [tw, DI]
 
-        _over_heads(heads, head)
+        _over_heads(heads, head, unroll)
 
     @pl.when(i == pl.num_programs(2) - 1)
     def _():
@@ -414,6 +424,12 @@ def _all_live(b, s, w, tiles):
             jnp.zeros((b * nk,), jnp.int32), jnp.full((b * nk,), nr - 1, jnp.int32))
 
 
+def _0():
+    """A block index 0 as int32 (a literal 0 would be int64 under jax_enable_x64, which
+    Mosaic's index maps refuse)."""
+    return jnp.int32(0)
+
+
 def _clamp(x, lo_ref, hi_ref, at):
     return jnp.minimum(jnp.maximum(x, lo_ref[at]), hi_ref[at])
 
@@ -432,18 +448,18 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         def kj(b, i, j, bits, rlo, rhi, klo, khi):
             return _clamp(j, rlo, rhi, b * nr + i)
 
-        q_map = lambda b, i, j, *t: (b, 0, i, 0)  # noqa: E731
-        k_map = lambda b, i, j, *t: (b, kj(b, i, j, *t), 0)  # noqa: E731
-        w_map = lambda b, i, j, *t: (b, 0, 0, i)  # noqa: E731
+        q_map = lambda b, i, j, *t: (b, _0(), i, _0())  # noqa: E731
+        k_map = lambda b, i, j, *t: (b, kj(b, i, j, *t), _0())  # noqa: E731
+        w_map = lambda b, i, j, *t: (b, _0(), _0(), i)  # noqa: E731
         g_map = lambda b, i, j, *t: (b, i, kj(b, i, j, *t))  # noqa: E731
         grid = (b, nr, nk)
     else:  # grid (b, j, i); i clamped into key tile j's live row tiles
         def ri(b, j, i, bits, rlo, rhi, klo, khi):
             return _clamp(i, klo, khi, b * nk + j)
 
-        q_map = lambda b, j, i, *t: (b, 0, ri(b, j, i, *t), 0)  # noqa: E731
-        k_map = lambda b, j, i, *t: (b, j, 0)  # noqa: E731
-        w_map = lambda b, j, i, *t: (b, 0, 0, ri(b, j, i, *t))  # noqa: E731
+        q_map = lambda b, j, i, *t: (b, _0(), ri(b, j, i, *t), _0())  # noqa: E731
+        k_map = lambda b, j, i, *t: (b, j, _0())  # noqa: E731
+        w_map = lambda b, j, i, *t: (b, _0(), _0(), ri(b, j, i, *t))  # noqa: E731
         g_map = lambda b, j, i, *t: (b, ri(b, j, i, *t), j)  # noqa: E731
         grid = (b, nk, nr)
     specs = {"q": pl.BlockSpec((None, c, ts, di), q_map), "k": pl.BlockSpec((None, tw, di), k_map),
@@ -454,7 +470,7 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         num_scalar_prefetch=len(table), grid=grid, in_specs=in_specs, out_specs=out_specs(grid),
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch])
     return pl.pallas_call(
-        functools.partial(kernel, heads=c, nr=nr, nwords=pl.cdiv(nk, WORD), **static),
+        functools.partial(kernel, heads=c, nr=nr, nwords=pl.cdiv(nk, WORD), unroll=tiles.unroll, **static),
         out_shape=out_shape, grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", inner),
                                              vmem_limit_bytes=plan.budget),
@@ -479,8 +495,8 @@ def _dq_call(table, qt, keys, w4, g, tiles, interpret):
     shapes = (jax.ShapeDtypeStruct(qt.shape, qt.dtype), jax.ShapeDtypeStruct(w4.shape, w4.dtype))
 
     def specs(grid):
-        return (pl.BlockSpec((None, c, tiles.rows, di), lambda b, i, j, *t: (b, 0, i, 0)),
-                pl.BlockSpec((None, c, 1, tiles.rows), lambda b, i, j, *t: (b, 0, 0, i)))
+        return (pl.BlockSpec((None, c, tiles.rows, di), lambda b, i, j, *t: (b, _0(), i, _0())),
+                pl.BlockSpec((None, c, 1, tiles.rows), lambda b, i, j, *t: (b, _0(), _0(), i)))
 
     return _call(_dq_kernel, "csa_index_scores_dq", True, shapes, specs, table, (qt, keys, w4, g), tiles,
                  interpret, plan, od=operand_dtype(qt.dtype, wide), num_blocks=keys.shape[1], key_tile=tiles.keys)
@@ -491,7 +507,7 @@ def _dk_call(table, qt, keys, w4, g, tiles, dk_dtype, interpret):
     wide = _wide_of(qt.dtype, keys.dtype, w4.dtype)
     plan = vmem_budget("dk", c, di, (qt.dtype, keys.dtype, w4.dtype, g.dtype, dk_dtype), tiles)
     shape = jax.ShapeDtypeStruct(keys.shape, dk_dtype)
-    spec = lambda grid: pl.BlockSpec((None, tiles.keys, di), lambda b, j, i, *t: (b, j, 0))  # noqa: E731
+    spec = lambda grid: pl.BlockSpec((None, tiles.keys, di), lambda b, j, i, *t: (b, j, _0()))  # noqa: E731
     return _call(_dk_kernel, "csa_index_scores_dk", False, shape, spec, table, (qt, keys, w4, g), tiles,
                  interpret, plan, od=operand_dtype(qt.dtype, wide), seq_len=s, row_tile=tiles.rows)
 
@@ -507,8 +523,8 @@ def _check(q, keys, w, tiles, valid):
             or keys.shape[2] != q.shape[3]:
         raise ValueError(f"contribution: q [B,S,c,DI], keys [B,W,DI], w [B,S,c] expected, got q {q.shape}, "
                          f"keys {keys.shape}, w {w.shape}")
-    if not (isinstance(tiles.rows, int) and isinstance(tiles.keys, int) and tiles.rows >= 1 and tiles.keys >= 1):
-        raise ValueError(f"tiles={tiles!r} must be two ints >= 1 (query rows, key blocks)")
+    if not all(isinstance(v, int) and v >= 1 for v in (tiles.rows, tiles.keys, tiles.unroll)):
+        raise ValueError(f"tiles={tiles!r} must be ints >= 1 (query rows, key blocks, heads per loop iteration)")
     want = (q.shape[0], q.shape[1], keys.shape[1])
     if valid is not None and (tuple(valid.shape) != want or valid.dtype != jnp.bool_):
         raise ValueError(f"contribution: valid must be bool {list(want)} [B, S, W], got {valid.dtype} "
