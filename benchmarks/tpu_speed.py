@@ -259,17 +259,37 @@ def step_configs(seq: int, step_rows: int):
     return out
 
 
-def run_step(seqs, repeats, step_rows, hbm, peak, log, float32_at=8192):
-    from benchmarks.memory_speed import _concrete_args, _grad_jit
+def step_args(cfg, seq: int, seed: int = 0):
+    """(params, float inputs, int inputs) of the step at B=1, S=seq: random, scaled as in
+    benchmarks/memory_speed.py, identity positions, one document."""
+    from jax_impl.validate import FLOAT_INPUTS, input_shapes, param_shapes
 
+    rng = np.random.default_rng(seed)
+    params = {k: jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * shape[0] ** -0.5)
+              for k, (_, shape) in param_shapes(cfg).items()}
+    shapes = input_shapes(cfg, 1, seq)
+    floats = {k: jnp.asarray(rng.standard_normal(shapes[k][1], dtype=np.float32)) for k in FLOAT_INPUTS}
+    floats["teacher_query"] = floats["teacher_query"] * cfg.head_dim**-0.5
+    ints = {"position_ids": jnp.arange(seq, dtype=jnp.int32)[None], "segment_ids": jnp.ones((1, seq), jnp.int32)}
+    return params, floats, ints
+
+
+def step_program(cfg, dtype_name: str):
+    """jit of the loss and the six parameters' gradients (`jax.value_and_grad(indexer_loss)`)."""
+    from jax_impl import indexer_loss
+
+    return jax.jit(lambda p, f, i: jax.value_and_grad(indexer_loss)(p, {**f, **i}, cfg, dtype_name))
+
+
+def run_step(seqs, repeats, step_rows, hbm, peak, log, float32_at=8192):
     rows_out = []
     for seq in seqs:
         for impl, how, cfg in step_configs(seq, step_rows):
             dtypes = ["bfloat16"] + (["float32"] if impl == "pallas" and seq == float32_at else [])
             for dname in dtypes:
                 log(f"step S={seq} {impl} {dname}: {how}")
-                args = _concrete_args(cfg, 1, seq)
-                jitted = jax.jit(lambda p, f, i, cfg=cfg, d=dname: _grad_jit(p, f, i, cfg=cfg, dtype_name=d))
+                args = step_args(cfg, seq)
+                jitted = step_program(cfg, dname)
                 r = _measure(f"step {impl} S={seq} {dname} ({how})", jitted, args,
                              repeats if seq <= 8192 else max(2, repeats // 3), hbm, log)
                 r.update(program="step", impl=impl, config=how, seq=seq, dtype=dname,

@@ -348,15 +348,15 @@ def test_every_kernel_dot_names_its_precision_and_float32_accumulation(dtype):
 def _block_bytes(call) -> tuple[int, int]:
     """(blocks double-buffered, scratch) bytes of a traced pallas_call, each buffer padded to
     the (sublane, 128) tile of its dtype."""
-    from jax_impl.kernels.scores import _padded_bytes
+    from jax_impl.kernels.scores import padded_bytes
 
     gm = call.params["grid_mapping"]
     blocks = 0
     for bm in gm.block_mappings:
         shape = [d.block_size for d in bm.block_shape if hasattr(d, "block_size")]
-        blocks += 2 * _padded_bytes(shape, bm.array_aval.dtype)
+        blocks += 2 * padded_bytes(shape, bm.array_aval.dtype)
     scratch_vars = call.params["jaxpr"].invars[len(call.params["jaxpr"].invars) - gm.num_scratch_operands:]
-    scratch = sum(_padded_bytes(v.aval.shape, v.aval.dtype) for v in scratch_vars)
+    scratch = sum(padded_bytes(v.aval.shape, v.aval.dtype) for v in scratch_vars)
     return blocks, scratch
 
 

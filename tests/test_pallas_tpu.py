@@ -131,15 +131,15 @@ STEP_RTOL = 1e-3
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_training_step_runs_with_the_kernels_and_matches_the_xla_backend(dtype):
-    from benchmarks.memory_speed import _concrete_args, _grad_jit
+    from benchmarks.tpu_speed import step_args, step_program
 
     cfg = jax_impl.CSAConfig(**STEP_SHAPE)
-    args = _concrete_args(cfg, 1, 2048)
+    args = step_args(cfg, 2048)
     out = {}
     with jax.default_matmul_precision("highest"):
         for backend in ("xla", "pallas"):
             c = dataclasses.replace(cfg, scoring_backend=backend)
-            out[backend] = jax.block_until_ready(_grad_jit(*args, cfg=c, dtype_name=dtype))
+            out[backend] = jax.block_until_ready(step_program(c, dtype)(*args))
     (lx, gx), (lp, gp) = out["xla"], out["pallas"]
     assert bool(jnp.isfinite(lp)), lp
     errors = {"loss": float(abs(lp - lx) / abs(lx))}

@@ -289,7 +289,7 @@ def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc
 # ----------------------------------------------------------------------------------- budgets
 
 
-def _padded_bytes(shape, dtype) -> int:
+def padded_bytes(shape, dtype) -> int:
     """Bytes of a VMEM buffer of `shape`: the last two dims padded to the (sublane, 128) tile of
     the dtype (8 sublanes for 32-bit types, 16 for 16-bit ones)."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -311,11 +311,11 @@ class Plan:
 
     @property
     def block_bytes(self) -> int:
-        return sum(2 * _padded_bytes(s, d) for s, d in self.blocks)
+        return sum(2 * padded_bytes(s, d) for s, d in self.blocks)
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(_padded_bytes(s, d) for s, d in self.scratch)
+        return sum(padded_bytes(s, d) for s, d in self.scratch)
 
     @property
     def budget(self) -> int:
@@ -332,8 +332,8 @@ def vmem_budget(kernel: str, heads: int, head_dim: int, dtypes, tiles: Tiles) ->
     qd, kd, wd = dtypes[:3]
     wide = _wide_of(qd, kd, wd)
     ins = (((c, ts, di), qd), ((tw, di), kd), ((c, 1, ts), wd))
-    tile = _padded_bytes((tw, ts), wide)
-    temps = TEMP_TILES * tile + 4 * _padded_bytes((max(ts, tw), di), wide)
+    tile = padded_bytes((tw, ts), wide)
+    temps = TEMP_TILES * tile + 4 * padded_bytes((max(ts, tw), di), wide)
     if kernel == "scores":
         plan = Plan(kernel, (*ins, ((ts, tw), wide)), (((tw, ts), wide),), temps)
     elif kernel == "dq":
