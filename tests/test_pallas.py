@@ -335,12 +335,16 @@ PRECISION_OF = {jnp.dtype(jnp.bfloat16): jax.lax.Precision.DEFAULT, jnp.dtype(jn
 def test_every_kernel_dot_names_its_precision_and_float32_accumulation(dtype):
     """A dot without a named precision takes the global jax.default_matmul_precision; with
     HIGHEST on bfloat16 operands Mosaic refuses to compile ("Bad lhs type")."""
-    for call in _traced_kernels(jnp.dtype(dtype)):
+    calls = _traced_kernels(jnp.dtype(dtype))
+    assert sum(not c.params["interpret"] for c in calls) == 3, "each kernel's Mosaic call expected"
+    for call in calls:
         dots = _dots(call.params["jaxpr"])
         assert dots, call.params["name"]
         for d in dots:
             a, b = (v.aval.dtype for v in d.invars)
             assert a == b, (call.params["name"], a, b)
+            if not call.params["interpret"]:  # on the chip: the inputs' own dtype (interpret mode widens bfloat16)
+                assert a == jnp.dtype(dtype), (call.params["name"], a)
             assert d.params["precision"] == (PRECISION_OF[a], PRECISION_OF[a]), (call.params["name"], d.params)
             assert d.params["preferred_element_type"] == jnp.float32, (call.params["name"], d.params)
 

@@ -495,8 +495,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     # interpret mode reads NaN past the end, and bfloat16 inputs), run by tests/test_pallas.py.
     Mutant(
         "kernel_tile_edge_off_by_one", "scoring", "kernels/scores.py",
-        "            row_ok = row < seq_len\n",
-        "            row_ok = row < seq_len - 1\n",
+        "            row_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0) < seq_len\n",
+        "            row_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0) < seq_len - 1\n",
         ("kernel",), (), "dK kernel: the last query row's edge off by one (row S-1 masked as if past the end)",
         kernel=True, killing_test="tests/test_pallas.py",
     ),

@@ -78,9 +78,11 @@ LANES = 128
 # What a core's VMEM may hold for one kernel (v5e: 128 MiB per core); `vmem_budget` refuses
 # tiles whose budget exceeds it.
 VMEM_CAP = 100 * 2**20
-# The least limit a kernel asks for: Mosaic's own default scoped limit on v5e (16 MiB), so a
-# small problem's kernel keeps the room Mosaic's internal scratch is used to.
-VMEM_FLOOR = 16 * 2**20
+# The least limit a kernel asks for. Measured on a v5e: at 16 MiB (Mosaic's default scoped
+# limit there) the dK kernel of a small problem with a partial row tile (c=8, S=1000, W=250,
+# tiles 256 x 128) needed 17.6 MiB (bfloat16) and 18.6 MiB (float32) of scoped VMEM for its
+# own temporaries, far above its blocks; 32 MiB leaves room for that.
+VMEM_FLOOR = 32 * 2**20
 # The body's own temporaries, in [tw, ts] float32 tiles (logits, masked cotangent, its two
 # bfloat16 terms, the product) and [*, DI] float32 rows: what Mosaic may hold beside the
 # blocks and the scratch. An allowance, not a measurement: the chip's compile is the judge.
@@ -96,7 +98,11 @@ class Tiles:
 
     rows: int
     keys: int
-    unroll: int = 1  # heads per iteration of the in-kernel head loop (all heads: a Python loop)
+    # Heads per iteration of the in-kernel head loop, for bfloat16 operands (float32 kernels
+    # loop one head at a time: the only float32 form compiled on a chip so far). Measured on a
+    # v5e at HI=64, S=8192, 256 x 256 tiles: 8 takes the forward from 3.64 to 2.64 ms and the
+    # forward + backward from 17.1 to 10.4 ms (benchmarks/tpu_speed.py --variants).
+    unroll: int = 8
 
     def legal(self, seq_len: int, num_blocks: int, itemsize: int = 4) -> str | None:
         """None when legal on TPU for [.., S, W] (inputs of `itemsize` bytes), else why not."""
@@ -127,11 +133,15 @@ def operand_dtype(dtype, wide):
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(wide)
 
 
-def _dot(a, b, contract, wide):
+def _dot(a, b, contract, wide, dd):
     """a . b over the `contract` dims ((a_dim,), (b_dim,)) of two operands of one dtype,
-    accumulated in `wide`, the precision named: DEFAULT for bfloat16 (exact products, float32
-    accumulation), HIGHEST for float32 and float64."""
+    multiplied in `dd` and accumulated in `wide`, the precision named: DEFAULT for bfloat16
+    (exact products, float32 accumulation), HIGHEST for float32 and float64. `dd` is the
+    operands' dtype, except in interpret mode, where bfloat16 operands are multiplied as
+    float32 (the same exact products and float32 sums: XLA:CPU has no bfloat16 x bfloat16 ->
+    float32 dot in every program shape)."""
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    a, b = a.astype(dd), b.astype(dd)
     precision = jax.lax.Precision.DEFAULT if a.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
     return jax.lax.dot_general(a, b, (contract, ((), ())), precision=(precision, precision),
                                preferred_element_type=wide)
@@ -146,11 +156,11 @@ def _terms(x, od):
     return hi, (x - hi.astype(x.dtype)).astype(jnp.bfloat16)
 
 
-def _dot_terms(terms, other, contract, wide, terms_first):
+def _dot_terms(terms, other, contract, wide, dd, terms_first):
     """sum over `terms` of term . other (or other . term)."""
     out = None
     for t in terms:
-        d = _dot(t, other, contract, wide) if terms_first else _dot(other, t, contract, wide)
+        d = _dot(t, other, contract, wide, dd) if terms_first else _dot(other, t, contract, wide, dd)
         out = d if out is None else out + d
     return out
 
@@ -190,7 +200,7 @@ def _transpose(x):
 # ----------------------------------------------------------------------------------- kernels
 
 
-def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od, unroll):
+def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od, dd, unroll):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
     live = _live(bits, b, i, j, nr, nwords)
@@ -201,7 +211,7 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
         acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
 
         def head(h):
-            logits = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide)  # [tw, ts]
+            logits = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd)  # [tw, ts]
             acc_ref[...] += w_ref[h] * jnp.maximum(logits, 0)
 
         _over_heads(heads, head, unroll)
@@ -213,7 +223,7 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
 
 
 def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_ref, acc_ref, *, heads, nr,
-               nwords, od, unroll, num_blocks, key_tile):
+               nwords, od, dd, unroll, num_blocks, key_tile):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
 
@@ -233,9 +243,9 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
         gt = tuple(t.astype(wide) for t in _terms(g_ref[...].astype(wide).T, od))
 
         def head(h):
-            fired = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide) > 0  # [tw, ts]
+            fired = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd) > 0  # [tw, ts]
             m = tuple(jnp.where(fired, t, 0).astype(od) for t in gt)
-            acc_ref[h] += _dot_terms(m, kt, ((1,), (0,)), wide, terms_first=False)  # [DI, ts]
+            acc_ref[h] += _dot_terms(m, kt, ((1,), (0,)), wide, dd, terms_first=False)  # [DI, ts]
 
         _over_heads(heads, head, unroll)
 
@@ -250,7 +260,7 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
 
 
 def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc_ref, *, heads, nr, nwords, od,
-               unroll, seq_len, row_tile):
+               dd, unroll, seq_len, row_tile):
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
 
@@ -264,9 +274,10 @@ def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc
         gt = g_ref[...].astype(wide).T  # [tw, ts]
         partial = seq_len % row_tile != 0
         if partial:  # the last row tile is partial: zero the rows past S before any product
-            row = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0)
-            row_ok = row < seq_len
-            col_ok = row.reshape(1, row_tile) < seq_len
+            # Rows as a column (the q tile's sublanes) and as a row (the logits' lanes), each from
+            # its own iota: a [ts, 1] -> [1, ts] reshape is a relayout Mosaic pays for in VMEM.
+            row_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0) < seq_len
+            col_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (1, row_tile), 1) < seq_len
             gt = jnp.where(col_ok, gt, 0)
 
         def head(h):
@@ -275,9 +286,9 @@ def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc
             if partial:
                 q = jnp.where(row_ok, q.astype(wide), 0).astype(od)
                 w = jnp.where(col_ok, w, 0)
-            logits = _dot(k, q, ((1,), (1,)), wide)  # [tw, ts]
+            logits = _dot(k, q, ((1,), (1,)), wide, dd)  # [tw, ts]
             p = jnp.where(logits > 0, gt, 0) * w
-            acc_ref[...] += _dot_terms(_terms(p, od), q, ((1,), (0,)), wide, terms_first=True)  # [tw, DI]
+            acc_ref[...] += _dot_terms(_terms(p, od), q, ((1,), (0,)), wide, dd, terms_first=True)  # [tw, DI]
 
         _over_heads(heads, head, unroll)
 
@@ -470,7 +481,10 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         num_scalar_prefetch=len(table), grid=grid, in_specs=in_specs, out_specs=out_specs(grid),
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch])
     return pl.pallas_call(
-        functools.partial(kernel, heads=c, nr=nr, nwords=pl.cdiv(nk, WORD), unroll=tiles.unroll, **static),
+        functools.partial(kernel, heads=c, nr=nr, nwords=pl.cdiv(nk, WORD),
+                          unroll=tiles.unroll if static["od"] == jnp.bfloat16 else 1,
+                          dd=jnp.dtype(jnp.float32) if interpret and static["od"] == jnp.bfloat16 else static["od"],
+                          **static),
         out_shape=out_shape, grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", inner),
                                              vmem_limit_bytes=plan.budget),
