@@ -30,7 +30,8 @@ only) at HIGHEST. A float32 operand meeting a bfloat16 one (the cotangent agains
 the queries in the backward) is split into two bfloat16 terms, hi + lo, each multiplied at
 DEFAULT precision: ~16 significant bits, the precision of XLA's HIGH, at two MXU passes
 instead of HIGHEST's six. float16 inputs (interpret mode only: no float16 kernels on TPU)
-are widened to float32 in VMEM.
+are widened to float32 in VMEM. Interpret mode multiplies the bfloat16 operands as float32
+(the same exact products and float32 sums), since XLA:CPU lacks the mixed dot.
 
 Tile skipping (`valid`): a (row tile, key tile) pair with no valid entry (wholly past the
 causal diagonal, in another document, past the end of the rows) is never computed. Its
