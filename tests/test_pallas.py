@@ -411,3 +411,16 @@ def _all_eqns(jaxpr) -> list:
                 if hasattr(sub, "eqns"):
                     out += _all_eqns(sub)
     return out
+
+
+@pytest.mark.parametrize("s,w", [(3, 0), (0, 5)])
+def test_a_mask_over_no_rows_or_no_blocks_builds_an_empty_table(s, w):
+    """No key blocks (S < m) or no rows: the live table has no tiles on that axis, and the
+    scores are the empty sum, as without a mask."""
+    from jax_impl.kernels import live_tiles
+
+    valid = jnp.ones((2, s, w), bool)
+    table = live_tiles(valid, Tiles(4, 4)).table()
+    assert all(bool(jnp.all(a == 0)) for a in table[1:])
+    out = contribution(jnp.ones((2, s, 2, 8)), jnp.ones((2, w, 8)), jnp.ones((2, s, 2)), valid=valid)
+    assert out.shape == (2, s, w)

@@ -421,8 +421,8 @@ def _table(live, tiles: Tiles) -> LiveTiles:
         m = t.shape[-1]
         idx = jnp.arange(m, dtype=jnp.int32)
         any_ = jnp.any(t, axis=-1)
-        lo = jnp.where(any_, jnp.min(jnp.where(t, idx, m), axis=-1), 0)
-        hi = jnp.where(any_, jnp.max(jnp.where(t, idx, -1), axis=-1), 0)
+        lo = jnp.where(any_, jnp.min(jnp.where(t, idx, m), axis=-1, initial=m), 0)  # initial: m may be 0
+        hi = jnp.where(any_, jnp.max(jnp.where(t, idx, -1), axis=-1, initial=-1), 0)
         return lo.astype(jnp.int32).reshape(-1), hi.astype(jnp.int32).reshape(-1)
 
     return LiveTiles(bits, *ranges(live), *ranges(jnp.swapaxes(live, 1, 2)), tiles)
