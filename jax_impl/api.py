@@ -54,11 +54,11 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
     imposed_queries, imposed_keys = imposed_codes(inputs)
     k_in, key_codes = scoring_keys(keys, cfg, wide, imposed_keys)
     k_in = k_in if prepare_keys is None else prepare_keys(k_in)
+    valid = block_validity(pos, seg, cfg, x.shape[1])
     scores, query_codes = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, k_in, score_cfg or cfg, wide,
-                                     with_codes=True, query_codes=imposed_queries)
+                                     with_codes=True, query_codes=imposed_queries, valid=valid)
     if reduce_scores is not None:
         scores = reduce_scores(scores)
-    valid = block_validity(pos, seg, cfg, x.shape[1])
     masked = mask_scores(scores, valid)
     return keys, masked, valid, topk_indices(masked, valid, cfg.index_topk), codes_dict(query_codes, key_codes)
 

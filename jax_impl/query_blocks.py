@@ -137,10 +137,10 @@ def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
     imposed = imposed_codes(inputs)[0]
     imposed = None if imposed is None else tuple(_take_rows(a, rows) for a in imposed)
-    scores, codes = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, shard.score_cfg or cfg, wide,
-                               with_codes=True, query_codes=imposed)
-    scores = _apply(shard.sum_heads, scores)
     valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None]
+    scores, codes = raw_scores(q_latent, pos, p["indexer.wq_b"], hw, keys, shard.score_cfg or cfg, wide,
+                               with_codes=True, query_codes=imposed, valid=valid)
+    scores = _apply(shard.sum_heads, scores)
     masked = mask_scores(scores, valid)
     out = masked, valid, topk_indices(masked, valid, cfg.index_topk), rows
     return (*out, codes) if with_codes else out

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from .pooling import block_positions
 from .kernels import contribution as pallas_contribution
+from .kernels import default_tiles, live_tiles
 from .precision import project
 from .quant import quantize_for_scoring
 from .rope import apply_rope
@@ -156,7 +157,7 @@ CONTRIBUTIONS = {"custom": _head_contribution, "autodiff": head_contribution_aut
 
 
 def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "custom", with_codes: bool = False,
-               query_codes=None):
+               query_codes=None, valid=None):
     """Unmasked scores [B, S, W] in the wide dtype; with `with_codes` (and `cfg.index_quant`)
     also the queries' (codes [B, S, HI, DI], scales [B, S, HI, DI / block]) the scores consumed,
     chunk by chunk as the scan made them. `query_codes`: such a pair to score instead of the
@@ -169,11 +170,18 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
     autodiff of the same forward: the tests' yardstick for the custom VJP). Under
     `cfg.scoring_backend == "pallas"` each head chunk's sum is the Pallas kernels' instead,
     fed q and K in the compute dtype (the kernels widen them tile by tile, exactly as
-    `.astype(wide)` does here); the head and query chunking around it are the same.
+    `.astype(wide)` does here); the head and query chunking around it are the same. `valid`
+    ([B, S, W] bool, the mask the caller applies to the scores) lets the kernels skip the
+    tiles with no valid entry (their scores are 0, not computed); the XLA path ignores it.
     """
     heads, di, chunk = cfg.index_n_heads, cfg.index_head_dim, cfg.indexer_head_chunk
     if cfg.scoring_backend == "pallas":
-        _head_contribution, keys_wide, widen = pallas_contribution, keys, (lambda a: a)
+        # The live tiles once for every head chunk (the mask does not depend on the heads).
+        live = None if valid is None else live_tiles(valid, default_tiles(q_latent.shape[1], keys.shape[1]))
+        keys_wide, widen = keys, (lambda a: a)
+
+        def _head_contribution(q, keys, hw):  # noqa: F811
+            return pallas_contribution(q, keys, hw, valid=live)
     else:
         _head_contribution, keys_wide = CONTRIBUTIONS[vjp], keys.astype(wide)  # noqa: F811
 

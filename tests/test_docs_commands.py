@@ -86,6 +86,8 @@ HOW = {
     "python -m benchmarks.memory_speed --s 8192 --no-time": HELP,
     "python -m benchmarks.memory_speed --window-only": HELP,
     "python -m benchmarks.teacher_gap": HELP,
+    "python -m benchmarks.tpu_speed": HELP,
+    "python -m benchmarks.tpu_speed --seqs 8192 --variants 256x256u8": HELP,
     "python -m benchmarks.quant_gap": HELP,
     "python -m benchmarks.quant_gap --memory-only": HELP,
     "python -m harness.selftest.judge_mutations": HELP,

@@ -55,7 +55,7 @@ GRAD_RTOL32 = 1e-5
 
 def test_the_kernel_check_passes_on_the_committed_code():
     results = kernel_check()
-    assert len(results) == 5
+    assert len(results) == 9
     failed = [r.message for r in results if r.failed]
     assert not failed, "\n".join(failed)
 
@@ -199,7 +199,7 @@ def test_the_loss_exports_for_tpu_at_production_shape(seq, rows, dtype):
     cfg = jax_impl.CSAConfig(**{**PRODUCTION, "query_chunk": rows, "scoring_backend": "pallas"})
     w = seq // 4
     tiles = default_tiles(rows, w)
-    assert (tiles.rows, tiles.keys) == (128, 512)
+    assert (tiles.rows, tiles.keys) == (256, 256)
     assert tiles.legal(rows, w, jnp.dtype(dtype).itemsize) is None
     text = export_loss(cfg, 1, seq, dtype)
     assert text.count("tpu_custom_call") >= 3
@@ -214,14 +214,14 @@ def test_the_xla_backend_at_production_shape_has_the_per_head_buffer():
 
 
 def test_illegal_tiles_are_refused_by_the_rule_and_by_the_tpu_lowering():
-    assert Tiles(16, 100).legal(256, 640, 2) == "key tile 100 is neither W=640 nor a multiple of 128"
-    assert Tiles(8, 128).legal(256, 640, 2) == "row tile 8 is neither S=256 nor a multiple of 16"
-    assert Tiles(8, 128).legal(256, 640, 4) is None
+    assert Tiles(128, 100).legal(256, 640) == "key tile 100 is neither W=640 nor a multiple of 128"
+    assert Tiles(16, 128).legal(256, 640) == "row tile 16 is neither S=256 nor a multiple of 128"
+    assert Tiles(256, 128).legal(256, 640) is None
     q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.float32)
     k = jax.ShapeDtypeStruct((1, 640, 128), jnp.float32)
     w = jax.ShapeDtypeStruct((1, 256, 4), jnp.float32)
     with pytest.raises(ValueError, match="divisible by 8 and 128"):
-        export.export(jax.jit(lambda q, k, w: contribution(q, k, w, Tiles(16, 100))), platforms=["tpu"])(q, k, w)
+        export.export(jax.jit(lambda q, k, w: contribution(q, k, w, Tiles(128, 100))), platforms=["tpu"])(q, k, w)
 
 
 # ----------------------------------------------------------------------------- stage plug-in
@@ -276,3 +276,151 @@ def test_the_rerun_command_of_a_pallas_point_selects_exactly_that_point():
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
                            sample=args.sample, teachers=args.teachers, backends=args.backends)
     assert {e.point for e in entries} == {point}
+
+
+# ----------------------------------------------------------------------------- off-chip pins
+
+def _pallas_calls(jaxpr) -> list:
+    """Every pallas_call equation in a jaxpr, through custom VJPs, conds and loops."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            out.append(e)
+            continue
+        for p in e.params.values():
+            for x in (p if isinstance(p, (tuple, list)) else (p,)):
+                sub = getattr(x, "jaxpr", x)
+                if hasattr(sub, "eqns"):
+                    out += _pallas_calls(sub)
+    return out
+
+
+def _dots(jaxpr) -> list:
+    """Every dot_general equation of a kernel body, through its loops and branches."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append(e)
+        for p in e.params.values():
+            for x in (p if isinstance(p, (tuple, list)) else (p,)):
+                sub = getattr(x, "jaxpr", x)
+                if hasattr(sub, "eqns"):
+                    out += _dots(sub)
+    return out
+
+
+def _traced_kernels(dtype, seq=512, heads=4, w=384, tiles=None, valid=False):
+    q = jax.ShapeDtypeStruct((1, seq, heads, 128), dtype)
+    k = jax.ShapeDtypeStruct((1, w, 128), dtype)
+    hw = jax.ShapeDtypeStruct((1, seq, heads), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, seq, w), jnp.bool_)
+
+    def f(q, k, hw, mask):
+        out, pull = jax.vjp(lambda a, b, c: contribution(a, b, c, tiles, mask if valid else None), q, k, hw)
+        return out, *pull(out)
+
+    calls = _pallas_calls(jax.make_jaxpr(f)(q, k, hw, mask).jaxpr)
+    # Each kernel twice: the Mosaic call (TPU) and the interpreted one (the default branch).
+    assert sorted({c.params["name"] for c in calls}) == ["csa_index_scores", "csa_index_scores_dk",
+                                                          "csa_index_scores_dq"]
+    return calls
+
+
+# What each operand dtype is multiplied at: bfloat16 at DEFAULT (exact products, float32
+# accumulation), float32 at HIGHEST (Mosaic's fp32 contract precision).
+PRECISION_OF = {jnp.dtype(jnp.bfloat16): jax.lax.Precision.DEFAULT, jnp.dtype(jnp.float32): jax.lax.Precision.HIGHEST}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_kernel_dot_names_its_precision_and_float32_accumulation(dtype):
+    """A dot without a named precision takes the global jax.default_matmul_precision; with
+    HIGHEST on bfloat16 operands Mosaic refuses to compile ("Bad lhs type")."""
+    calls = _traced_kernels(jnp.dtype(dtype))
+    assert sum(not c.params["interpret"] for c in calls) == 3, "each kernel's Mosaic call expected"
+    for call in calls:
+        dots = _dots(call.params["jaxpr"])
+        assert dots, call.params["name"]
+        for d in dots:
+            a, b = (v.aval.dtype for v in d.invars)
+            assert a == b, (call.params["name"], a, b)
+            if not call.params["interpret"]:  # on the chip: the inputs' own dtype (interpret mode widens bfloat16)
+                assert a == jnp.dtype(dtype), (call.params["name"], a)
+            assert d.params["precision"] == (PRECISION_OF[a], PRECISION_OF[a]), (call.params["name"], d.params)
+            assert d.params["preferred_element_type"] == jnp.float32, (call.params["name"], d.params)
+
+
+def _block_bytes(call) -> tuple[int, int]:
+    """(blocks double-buffered, scratch) bytes of a traced pallas_call, each buffer padded to
+    the (sublane, 128) tile of its dtype."""
+    from jax_impl.kernels.scores import padded_bytes
+
+    gm = call.params["grid_mapping"]
+    blocks = 0
+    for bm in gm.block_mappings:
+        shape = [d.block_size for d in bm.block_shape if hasattr(d, "block_size")]
+        blocks += 2 * padded_bytes(shape, bm.array_aval.dtype)
+    scratch_vars = call.params["jaxpr"].invars[len(call.params["jaxpr"].invars) - gm.num_scratch_operands:]
+    scratch = sum(padded_bytes(v.aval.shape, v.aval.dtype) for v in scratch_vars)
+    return blocks, scratch
+
+
+@pytest.mark.parametrize("dtype,seq,heads,w,tiles", [
+    ("bfloat16", 8192, 64, 2048, None), ("float32", 8192, 64, 2048, None),
+    ("bfloat16", 1024, 64, 8192, None), ("float32", 1000, 8, 250, Tiles(256, 128))])
+def test_no_kernel_holds_more_than_the_vmem_budget_it_declares(dtype, seq, heads, w, tiles):
+    """Tracing only (make_jaxpr): the released shape at its default tiles (a whole sequence, and
+    a query block of 1024 rows against 8192 key blocks) and a partial-tile shape. The
+    declared budget is the Mosaic vmem_limit_bytes of each call, at most VMEM_CAP."""
+    from jax_impl.kernels.scores import VMEM_CAP
+
+    for call in _traced_kernels(jnp.dtype(dtype), seq, heads, w, tiles, valid=True):
+        declared = call.params["compiler_params"].vmem_limit_bytes
+        blocks, scratch = _block_bytes(call)
+        assert declared <= VMEM_CAP, (call.params["name"], declared)
+        assert blocks + scratch <= declared, (call.params["name"], blocks, scratch, declared)
+
+
+def test_tiles_past_the_vmem_cap_are_refused():
+    from jax_impl.kernels import vmem_budget
+
+    with pytest.raises(ValueError, match="needs .* MiB of VMEM"):
+        vmem_budget("dq", 64, 128, (jnp.float32,) * 4, Tiles(1024, 256))
+
+
+def test_every_index_map_and_kernel_scalar_is_32_bit_under_x64():
+    """Mosaic refuses 64-bit block indices ("failed to legalize operation 'func.func'"), and the
+    tests run with jax_enable_x64: a literal 0 in an index map would be int64 there."""
+    assert jax.config.jax_enable_x64
+    for call in _traced_kernels(jnp.dtype(jnp.bfloat16), valid=True):
+        for bm in call.params["grid_mapping"].block_mappings:
+            outs = [v.aval.dtype for v in bm.index_map_jaxpr.jaxpr.outvars]
+            assert all(d == jnp.int32 for d in outs), (call.params["name"], outs)
+        body = call.params["jaxpr"]
+        wide_ints = {str(v.aval.dtype) for e in _all_eqns(body) for v in e.outvars
+                     if hasattr(v.aval, "dtype") and v.aval.dtype == jnp.int64}
+        assert not wide_ints, call.params["name"]
+
+
+def _all_eqns(jaxpr) -> list:
+    out = []
+    for e in jaxpr.eqns:
+        out.append(e)
+        for p in e.params.values():
+            for x in (p if isinstance(p, (tuple, list)) else (p,)):
+                sub = getattr(x, "jaxpr", x)
+                if hasattr(sub, "eqns"):
+                    out += _all_eqns(sub)
+    return out
+
+
+@pytest.mark.parametrize("s,w", [(3, 0), (0, 5)])
+def test_a_mask_over_no_rows_or_no_blocks_builds_an_empty_table(s, w):
+    """No key blocks (S < m) or no rows: the live table has no tiles on that axis, and the
+    scores are the empty sum, as without a mask."""
+    from jax_impl.kernels import live_tiles
+
+    valid = jnp.ones((2, s, w), bool)
+    table = live_tiles(valid, Tiles(4, 4)).table()
+    assert all(bool(jnp.all(a == 0)) for a in table[1:])
+    out = contribution(jnp.ones((2, s, 2, 8)), jnp.ones((2, w, 8)), jnp.ones((2, s, 2)), valid=valid)
+    assert out.shape == (2, s, w)

@@ -4,13 +4,20 @@ end of a partial tile read NaN).
 
     kernel_check() -> [CheckResult]   # every comparison; the check passes when none failed
 
-Two problems, in three compiled programs (the XLA reference, the float64 kernels, the
-bfloat16 forward kernel):
+Three problems, in four compiled programs (the XLA reference, the float64 kernels, the
+float64 kernels with tile skipping, the bfloat16 forward kernel):
 - float64, B=2, S=21, c=3, DI=8, W=10, tiles (8, 8): three row tiles (8, 8, 5) and two key
   tiles (8, 2), square so that a transposed tile has the right shape and must be caught by
   its numbers. The forward and the VJP (dq, dK, dw under a fixed random cotangent) against
   plain JAX autodiff of `jax_impl.scoring.head_contribution_autodiff`: EXACT64 (same math,
   summation order only).
+- float64, the same shape and cotangent, tiles (4, 4) (square, as above), with a validity mask: causal (query s
+  sees block j when 2j + 2 <= s + 1) and packed (two documents, rows 0..12 and 13..20; the block
+  straddling the boundary is invalid). Of the 6 x 3 tiles, 8 hold no valid entry (past the
+  diagonal, or the second document's rows against the first's blocks) and are skipped; the
+  others are partly valid. The masked forward and its VJP (the cotangent masked
+  too, as behind the -inf mask) against the same masks applied to the autodiff reference:
+  EXACT64.
 - bfloat16 q and K (w float32), the same shape, tiles (16, 8): the forward against the XLA
   contribution of the same values widened to float32, at KERNEL_BF16_FORWARD (below). A
   bfloat16 product is exact in float32, so only the summation order differs; an accumulator in
@@ -30,6 +37,8 @@ from ..judging.tolerance import EXACT64, KERNEL_BF16_FORWARD
 SHAPE = {"B": 2, "S": 21, "c": 3, "DI": 8, "W": 10}
 TILES64 = (8, 8)
 TILES16 = (16, 8)
+TILES_MASKED = (4, 4)
+DOC_START = 13  # the second document's first row
 CHECK = "kernel"
 
 
@@ -41,6 +50,18 @@ def _problem(seed: int = 0):
     hw = rng.standard_normal((b, s, c))
     ct = rng.standard_normal((b, s, w))
     return q, keys, hw, ct
+
+
+def _validity():
+    """[B, S, W] bool of the masked problem (module doc): causal with m = 2, two documents."""
+    b, s, w = (SHAPE[k] for k in ("B", "S", "W"))
+    pos = np.arange(s)
+    seg = (pos >= DOC_START).astype(int)
+    first = 2 * np.arange(w)
+    block_seg = seg[np.minimum(first, s - 1)]
+    uniform = block_seg == seg[np.minimum(first + 1, s - 1)]
+    valid = (first[None, :] + 2 <= pos[:, None] + 1) & uniform & (block_seg[None, :] == seg[:, None])
+    return np.broadcast_to(valid, (b, s, w))
 
 
 def kernel_check() -> list[CheckResult]:
@@ -70,11 +91,24 @@ def kernel_check() -> list[CheckResult]:
     kernels64 = jax.jit(lambda q, keys, hw, ct: vjp_at(lambda *a: contribution(*a, t64), ct, q, keys, hw))
     kernels16 = jax.jit(lambda q, keys, hw: contribution(q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16),
                                                          hw.astype(jnp.float32), t16))
+    valid = jnp.asarray(_validity())
+    tm = Tiles(*TILES_MASKED)
+
+    def masked(fn):
+        return lambda *a: jnp.where(valid, fn(*a), 0)
+
+    masked_ref = jax.jit(lambda q, keys, hw, ct: vjp_at(masked(head_contribution_autodiff), jnp.where(valid, ct, 0),
+                                                        q, keys, hw))
+    masked_kernels = jax.jit(lambda q, keys, hw, ct: vjp_at(masked(lambda *a: contribution(*a, tm, valid)), ct,
+                                                            q, keys, hw))
     q, keys, hw, ct = (jnp.asarray(a) for a in _problem())
     want, ref16 = reference(q, keys, hw, ct)
     got = kernels64(q, keys, hw, ct)
     out16 = kernels16(q, keys, hw)
-    return judge_kernel(dict(zip(NAMES64, got)), dict(zip(NAMES64, want)), out16, ref16)
+    results = judge_kernel(dict(zip(NAMES64, got)), dict(zip(NAMES64, want)), out16, ref16)
+    got_m, want_m = masked_kernels(q, keys, hw, ct), masked_ref(q, keys, hw, ct)
+    results += [compare_close(CHECK, f"float64 masked {n}", g, r, EXACT64) for n, g, r in zip(NAMES64, got_m, want_m)]
+    return results
 
 
 NAMES64 = ("scores", "dq", "dkeys", "dhead_weights")

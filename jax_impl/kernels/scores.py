@@ -4,25 +4,55 @@
 
 (`jax_impl.scoring.raw_scores` applies the DI**-0.5 scale after the head sum, on either
 backend.) Three kernels, each tiled over (query rows, key blocks) per batch row, each with the
-head loop inside the kernel, accumulating in the wide dtype (float32; float64 in interpret mode):
+head loop inside the kernel, accumulating in VMEM scratch in the wide dtype (float32; float64
+in interpret mode):
 
-- `_scores_kernel`  grid (B, S-tiles, W-tiles): one [ts, tw] output tile, summed over heads.
-- `_dq_dw_kernel`   grid (B, S-tiles, W-tiles), the key tiles innermost: recomputes each
-  head's [ts, tw] logits and accumulates dq [c, ts, DI] and dw [ts, c] over the key tiles.
+- `_scores_kernel`  grid (B, S-tiles, W-tiles): one output tile, summed over heads.
+- `_dq_kernel`      grid (B, S-tiles, W-tiles), the key tiles innermost (the reduction):
+  recomputes each head's logits and accumulates dq (transposed, [c, DI, ts]) over the key
+  tiles; the last key tile applies the head weights and writes dq [c, ts, DI] and
+  dw[s, h] = q[s, h] . (dq[s, h] / w[s, h]) (the same double sum over blocks and DI, reordered).
 - `_dk_kernel`      grid (B, W-tiles, S-tiles), the query tiles innermost: recomputes the
   logits and accumulates dK [tw, DI] over the query tiles.
 
-No [B, c, S, W] array exists outside a kernel, forward or backward: a head's logits live in
-one [ts, tw] tile. `contribution` is wired with `jax.custom_vjp`; its residuals are the inputs.
+Layout. Inside a kernel a head's logits are the transposed tile [tw, ts] = K . q_h^T, so that
+the head weights of the rows, w [c, 1, ts], broadcast along sublanes (a row vector per head,
+picked by a leading index) and no per-head transpose is needed; the forward transposes its
+accumulated tile once, and each backward kernel the cotangent tile once per step. No
+[B, c, S, W] array exists outside a kernel, forward or backward; `contribution` is wired with
+`jax.custom_vjp`, its residuals are the inputs.
+
+Products (`_dot`): every dot names its precision and its preferred element type, so a global
+`jax.default_matmul_precision` cannot change it. Two equal narrow operands (bfloat16)
+multiply at DEFAULT precision into float32 (a bfloat16 product is exact in float32); two
+float32 operands at HIGHEST (Mosaic's fp32 contract precision); float64 (interpret mode
+only) at HIGHEST. A float32 operand meeting a bfloat16 one (the cotangent against the keys or
+the queries in the backward) is split into two bfloat16 terms, hi + lo, each multiplied at
+DEFAULT precision: ~16 significant bits, the precision of XLA's HIGH, at two MXU passes
+instead of HIGHEST's six. float16 inputs (interpret mode only: no float16 kernels on TPU)
+are widened to float32 in VMEM. Interpret mode multiplies the bfloat16 operands as float32
+(the same exact products and float32 sums), since XLA:CPU lacks the mixed dot.
+
+Tile skipping (`valid`): a (row tile, key tile) pair with no valid entry (wholly past the
+causal diagonal, in another document, past the end of the rows) is never computed. Its
+scores are 0 and its cotangent is ignored, so the function the kernels differentiate is the
+contribution on live tiles and 0 on dead ones, consistently forward and backward. The live
+tiles reach the kernels as a bit table in SMEM (scalar prefetch); the index maps clamp the key
+tile (forward, dq) or row tile (dK) into the live range of the current outer tile, so a dead
+tile's inputs are not even copied (Pallas skips the DMA of an unchanged block).
 
 Partial tiles: S and W need not be multiples of the tiles. The last tile of each axis reads
 past the array (on TPU: whatever lies there; in interpret mode: NaN) and writes only its
-in-bounds part. The forward needs no mask (a garbage row or column only reaches output
-entries that are never written); the backward kernels sum over the tiled axis, so they mask
-the rows (dK) or key blocks (dq, dw) past the end with `jnp.where` before any product.
+in-bounds part. A garbage query row only reaches its own output row, except in dK (rows are
+its reduction axis: rows, weights and cotangent past S are zeroed before any product); a
+garbage key block only reaches its own output column, except in dq (blocks are its reduction
+axis: keys past W are zeroed, which zeroes their logits and so their cotangent).
 
-Inputs may be in the compute dtype (bfloat16: the kernel widens in VMEM; a bfloat16 product
-is exact in float32, so this equals widening first) or already wide. Head weights are wide.
+VMEM: every kernel declares its budget as data (`vmem_budget`: double-buffered blocks,
+scratch, and an allowance for the body's tile temporaries), and passes it as the Mosaic
+`vmem_limit_bytes`; tests/test_pallas.py checks the declared budget against the blocks and
+scratch of the traced `pallas_call`.
+
 On a TPU the kernels compile with Mosaic; anywhere else they run in Pallas interpret mode
 (`jax.lax.platform_dependent` picks per lowering platform, so one program exports for TPU
 from a CPU machine).
@@ -32,21 +62,35 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Default tiles (query rows, key blocks). TPU legality: the last two dims of every block are
-# multiples of (8, 128) for 32-bit types and (16, 128) for 16-bit ones, or the whole dim. The
-# blocks are q [c, ts, DI], K [tw, DI], w [ts, c], scores/cotangent [ts, tw], dK [tw, DI]:
-# ts a multiple of 16 and tw of 128 are legal in every dtype, c and DI are whole dims.
-ROW_TILE = 128
-KEY_TILE = 512
-# The sublane multiple a row tile needs per itemsize of the narrowest block dtype.
-SUBLANES = {4: 8, 2: 16, 8: 8}
+# Default tiles (query rows, key blocks). TPU legality: rows lie on lanes (the head weights
+# [c, 1, ts], the transposed logits [tw, ts]) and key blocks on lanes of the cotangent tile
+# [ts, tw], so each tile is a multiple of 128 or the whole axis.
+ROW_TILE = 256
+KEY_TILE = 256
 LANES = 128
+# What a core's VMEM may hold for one kernel (v5e: 128 MiB per core); `vmem_budget` refuses
+# tiles whose budget exceeds it.
+VMEM_CAP = 100 * 2**20
+# The least limit a kernel asks for. Measured on a v5e: at 16 MiB (Mosaic's default scoped
+# limit there) the dK kernel of a small problem with a partial row tile (c=8, S=1000, W=250,
+# tiles 256 x 128) needed 17.6 MiB (bfloat16) and 18.6 MiB (float32) of scoped VMEM for its
+# own temporaries, far above its blocks; 32 MiB leaves room for that.
+VMEM_FLOOR = 32 * 2**20
+# The body's own temporaries, in [tw, ts] float32 tiles (logits, masked cotangent, its two
+# bfloat16 terms, the product) and [*, DI] float32 rows: what Mosaic may hold beside the
+# blocks and the scratch. An allowance, not a measurement: the chip's compile is the judge.
+TEMP_TILES = 8
+# Live tiles: 32 key tiles per int32 word of the table.
+WORD = 32
+WORD_BITS = 5  # log2(WORD): j // WORD as a shift (no signed division in the kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +99,17 @@ class Tiles:
 
     rows: int
     keys: int
+    # Heads per iteration of the in-kernel head loop, for bfloat16 operands (float32 kernels
+    # loop one head at a time: the only float32 form compiled on a chip so far). Measured on a
+    # v5e at HI=64, S=8192, 256 x 256 tiles: 8 takes the forward from 3.64 to 2.64 ms and the
+    # forward + backward from 17.1 to 10.4 ms (benchmarks/tpu_speed.py --variants).
+    unroll: int = 8
 
-    def legal(self, seq_len: int, num_blocks: int, itemsize: int) -> str | None:
-        """None when legal on TPU for [.., S, W] with inputs of `itemsize` bytes, else why not."""
-        sub = SUBLANES[itemsize]
-        if self.rows != seq_len and self.rows % sub:
-            return f"row tile {self.rows} is neither S={seq_len} nor a multiple of {sub}"
+    def legal(self, seq_len: int, num_blocks: int, itemsize: int = 4) -> str | None:
+        """None when legal on TPU for [.., S, W] (inputs of `itemsize` bytes), else why not."""
+        del itemsize  # both tiles lie on lanes: the rule is the same in every dtype
+        if self.rows != seq_len and self.rows % LANES:
+            return f"row tile {self.rows} is neither S={seq_len} nor a multiple of {LANES}"
         if self.keys != num_blocks and self.keys % LANES:
             return f"key tile {self.keys} is neither W={num_blocks} nor a multiple of {LANES}"
         return None
@@ -79,148 +128,403 @@ def _wide_of(*dtypes):
     return jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes) else jnp.float32
 
 
-def _dot(a, b, contract, wide):
-    """a . b over the `contract` dims ((a_dim,), (b_dim,)), accumulated in `wide`. Equal
-    narrow operands multiply as they are (their products are exact in `wide`); otherwise
-    both are widened and multiplied at full precision."""
-    if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize >= jnp.dtype(wide).itemsize:
-        a, b = a.astype(wide), b.astype(wide)
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=jax.lax.Precision.HIGHEST,
+def operand_dtype(dtype, wide):
+    """The dtype the kernels multiply inputs of `dtype` in: bfloat16 as it is, anything else
+    in `wide` (float16 has no TPU kernel; interpret mode widens it)."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(wide)
+
+
+def _dot(a, b, contract, wide, dd):
+    """a . b over the `contract` dims ((a_dim,), (b_dim,)) of two operands of one dtype,
+    multiplied in `dd` and accumulated in `wide`, the precision named: DEFAULT for bfloat16
+    (exact products, float32 accumulation), HIGHEST for float32 and float64. `dd` is the
+    operands' dtype, except in interpret mode, where bfloat16 operands are multiplied as
+    float32 (the same exact products and float32 sums: XLA:CPU has no bfloat16 x bfloat16 ->
+    float32 dot in every program shape)."""
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    a, b = a.astype(dd), b.astype(dd)
+    precision = jax.lax.Precision.DEFAULT if a.dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=(precision, precision),
                                preferred_element_type=wide)
 
 
-def _over_heads(heads, body, init):
-    """`body(h, carry)` for h = 0 .. heads - 1 (an int32 counter: Mosaic indexes in 32 bits,
-    also under jax_enable_x64)."""
-    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(heads), body, init)
+def _terms(x, od):
+    """x (wide) as the operands that meet an `od` operand: (hi, lo) bfloat16 terms, hi + lo
+    within ~2**-16 of x, when od is bfloat16; else x itself."""
+    if od != jnp.bfloat16:
+        return (x.astype(od),)
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(x.dtype)).astype(jnp.bfloat16)
 
 
-def _head_column(w, h):
-    """Column h of the [ts, c] head-weight tile as [ts, 1] (a lane select-and-sum: dynamic h)."""
-    lane = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
-    return jnp.sum(jnp.where(lane == h, w, 0), axis=1, keepdims=True)
+def _dot_terms(terms, other, contract, wide, dd, terms_first):
+    """sum over `terms` of term . other (or other . term)."""
+    out = None
+    for t in terms:
+        d = _dot(t, other, contract, wide, dd) if terms_first else _dot(other, t, contract, wide, dd)
+        out = d if out is None else out + d
+    return out
+
+
+def _over_heads(heads, body, unroll=1):
+    """`body(h)` for h = 0 .. heads - 1, `unroll` heads per iteration of a loop with an int32
+    counter (Mosaic indexes in 32 bits, also under jax_enable_x64; fori_loop's own `unroll`
+    would count in Python ints, int64 there), the remainder after the loop."""
+    u = max(1, min(unroll, heads))
+    groups, rest = divmod(heads, u)
+
+    def step(g, carry):
+        for k in range(u):
+            body(g * u + k)
+        return carry
+
+    if groups:
+        jax.lax.fori_loop(jnp.int32(0), jnp.int32(groups), step, jnp.int32(0))
+    for k in range(rest):
+        body(jnp.int32(groups * u + k))
+
+
+def _live(bits_ref, b, i, j, nr, nwords):
+    """Whether tile (row tile i, key tile j) of batch row b holds a valid entry."""
+    word = bits_ref[(b * nr + i) * nwords + jax.lax.shift_right_logical(j, jnp.int32(WORD_BITS))]
+    return jax.lax.shift_right_logical(word, j & jnp.int32(WORD - 1)) & 1 == 1
+
+
+def _transpose(x):
+    """x.T, through float32 for a 16-bit x (the 32-bit transpose is the one every Mosaic
+    version lowers; the round trip is exact)."""
+    if jnp.dtype(x.dtype).itemsize < 4:
+        return x.astype(jnp.float32).T.astype(x.dtype)
+    return x.T
 
 
 # ----------------------------------------------------------------------------------- kernels
 
 
-def _scores_kernel(q_ref, k_ref, w_ref, o_ref, *, heads):
-    wide = o_ref.dtype
-    k = k_ref[...]
-    w = w_ref[...]
+def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od, dd, unroll):
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    wide = acc_ref.dtype
+    live = _live(bits, b, i, j, nr, nwords)
 
-    def head(h, acc):
-        logits = _dot(q_ref[h], k, ((1,), (1,)), wide)  # [ts, tw]
-        return acc + _head_column(w, h) * jnp.maximum(logits, 0)
+    @pl.when(live)
+    def _():
+        k = k_ref[...].astype(od)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
 
-    o_ref[...] = _over_heads(heads, head, jnp.zeros(o_ref.shape, wide))
+        def head(h):
+            logits = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd)  # [tw, ts]
+            acc_ref[...] += w_ref[h] * jnp.maximum(logits, 0)
+
+        _over_heads(heads, head, unroll)
+        o_ref[...] = acc_ref[...].T.astype(o_ref.dtype)
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _dq_dw_kernel(q_ref, k_ref, w_ref, g_ref, dq_ref, dw_ref, *, heads, num_blocks, key_tile):
-    wide = dq_ref.dtype
-    j = pl.program_id(2)
+def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_ref, acc_ref, *, heads, nr,
+               nwords, od, dd, unroll, num_blocks, key_tile):
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    wide = acc_ref.dtype
 
     @pl.when(j == 0)
     def _():
-        dq_ref[...] = jnp.zeros(dq_ref.shape, wide)
-        dw_ref[...] = jnp.zeros(dw_ref.shape, wide)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
 
-    # Key blocks past W (the last key tile): zero keys and cotangent before any product.
-    block = j * key_tile + jax.lax.broadcasted_iota(jnp.int32, (key_tile, 1), 0)
-    k = jnp.where(block < num_blocks, k_ref[...], 0)
-    g = jnp.where(block.reshape(1, key_tile) < num_blocks, g_ref[...], 0)
-    w = w_ref[...]
-    lane = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
+    @pl.when(_live(bits, b, i, j, nr, nwords))
+    def _():
+        k = k_ref[...].astype(od)
+        if num_blocks % key_tile:  # the last key tile is partial: zero the blocks past W
+            block = j * key_tile + jax.lax.broadcasted_iota(jnp.int32, (key_tile, 1), 0)
+            k = jnp.where(block < num_blocks, k.astype(wide), 0).astype(od)
+        kt = _transpose(k)  # [DI, tw]
+        # The cotangent tile [tw, ts] and its terms, once per step; each head selects from the
+        # terms in the wide dtype (exact: a term is a bfloat16 value) and narrows the result.
+        gt = tuple(t.astype(wide) for t in _terms(g_ref[...].astype(wide).T, od))
 
-    def head(h, dw):
-        q = q_ref[h]
-        logits = _dot(q, k, ((1,), (1,)), wide)  # [ts, tw]
-        m = jnp.where(logits > 0, g, 0)  # d contribution / d logits, before the head weight
-        mk = _dot(m, k, ((1,), (0,)), wide)  # [ts, DI]
-        dq_ref[h] += _head_column(w, h) * mk
-        return dw + jnp.where(lane == h, jnp.sum(m * logits, axis=1, keepdims=True), 0)
+        def head(h):
+            fired = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd) > 0  # [tw, ts]
+            m = tuple(jnp.where(fired, t, 0).astype(od) for t in gt)
+            acc_ref[h] += _dot_terms(m, kt, ((1,), (0,)), wide, dd, terms_first=False)  # [DI, ts]
 
-    dw_ref[...] += _over_heads(heads, head, jnp.zeros(dw_ref.shape, wide))
+        _over_heads(heads, head, unroll)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _():
+        def head(h):
+            mk = acc_ref[h]  # [DI, ts]: sum_j m[j, s] K[j, :], transposed
+            dq_ref[h] = (mk * w_ref[h]).T.astype(dq_ref.dtype)
+            dw_ref[h] = jnp.sum(q_ref[h].astype(wide).T * mk, axis=0, keepdims=True).astype(dw_ref.dtype)
+
+        _over_heads(heads, head, unroll)
 
 
-def _dk_kernel(q_ref, k_ref, w_ref, g_ref, dk_ref, *, heads, seq_len, row_tile):
-    wide = dk_ref.dtype
-    i = pl.program_id(2)
+def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc_ref, *, heads, nr, nwords, od,
+               dd, unroll, seq_len, row_tile):
+    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    wide = acc_ref.dtype
 
     @pl.when(i == 0)
     def _():
-        dk_ref[...] = jnp.zeros(dk_ref.shape, wide)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
 
-    # Query rows past S (the last row tile): zero rows, weights and cotangent before any product.
-    row_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0) < seq_len
-    k = k_ref[...]
-    w = jnp.where(row_ok, w_ref[...], 0)
-    g = jnp.where(row_ok, g_ref[...], 0)
+    @pl.when(_live(bits, b, i, j, nr, nwords))
+    def _():
+        k = k_ref[...].astype(od)
+        gt = g_ref[...].astype(wide).T  # [tw, ts]
+        partial = seq_len % row_tile != 0
+        if partial:  # the last row tile is partial: zero the rows past S before any product
+            # Rows as a column (the q tile's sublanes) and as a row (the logits' lanes), each from
+            # its own iota: a [ts, 1] -> [1, ts] reshape is a relayout Mosaic pays for in VMEM.
+            row_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0) < seq_len
+            col_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (1, row_tile), 1) < seq_len
+            gt = jnp.where(col_ok, gt, 0)
 
-    def head(h, acc):
-        q = jnp.where(row_ok, q_ref[h], 0)
-        logits = _dot(q, k, ((1,), (1,)), wide)  # [ts, tw]
-        p = jnp.where(logits > 0, g, 0) * _head_column(w, h)  # [ts, tw]
-        return acc + _dot(p.T, q, ((1,), (0,)), wide)  # [tw, DI]
+        def head(h):
+            q = q_ref[h].astype(od)
+            w = w_ref[h]  # [1, ts]
+            if partial:
+                q = jnp.where(row_ok, q.astype(wide), 0).astype(od)
+                w = jnp.where(col_ok, w, 0)
+            logits = _dot(k, q, ((1,), (1,)), wide, dd)  # [tw, ts]
+            p = jnp.where(logits > 0, gt, 0) * w
+            acc_ref[...] += _dot_terms(_terms(p, od), q, ((1,), (0,)), wide, dd, terms_first=True)  # [tw, DI]
 
-    dk_ref[...] += _over_heads(heads, head, jnp.zeros(dk_ref.shape, wide))
+        _over_heads(heads, head, unroll)
+
+    @pl.when(i == pl.num_programs(2) - 1)
+    def _():
+        dk_ref[...] = acc_ref[...].astype(dk_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------- budgets
+
+
+def padded_bytes(shape, dtype) -> int:
+    """Bytes of a VMEM buffer of `shape`: the last two dims padded to the (sublane, 128) tile of
+    the dtype (8 sublanes for 32-bit types, 16 for 16-bit ones)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    dims = list(shape) if len(shape) >= 2 else [1, *shape]
+    sub = 8 * max(1, 4 // itemsize)
+    dims[-1] = -(-dims[-1] // LANES) * LANES
+    dims[-2] = -(-dims[-2] // sub) * sub
+    return math.prod(dims) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One kernel's blocks, scratch and VMEM budget (what it passes as `vmem_limit_bytes`)."""
+
+    name: str
+    blocks: tuple  # ((shape, dtype), ...): every input and output block, each double-buffered
+    scratch: tuple  # ((shape, dtype), ...)
+    temporaries: int  # bytes allowed for the body's tile temporaries
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(2 * padded_bytes(s, d) for s, d in self.blocks)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(padded_bytes(s, d) for s, d in self.scratch)
+
+    @property
+    def budget(self) -> int:
+        """The declared VMEM budget: blocks (x2) + scratch + temporaries, rounded up to 1 MiB,
+        at least VMEM_FLOOR."""
+        need = self.block_bytes + self.scratch_bytes + self.temporaries
+        return max(VMEM_FLOOR, -(-need // 2**20) * 2**20)
+
+
+def vmem_budget(kernel: str, heads: int, head_dim: int, dtypes, tiles: Tiles) -> Plan:
+    """The VMEM plan of `kernel` ("scores", "dq", "dk") for `heads` heads of `head_dim`, the
+    dtypes (q, keys, w[, g[, dK]]) and `tiles`. Raises ValueError when its budget exceeds VMEM_CAP."""
+    ts, tw, c, di = tiles.rows, tiles.keys, heads, head_dim
+    qd, kd, wd = dtypes[:3]
+    wide = _wide_of(qd, kd, wd)
+    ins = (((c, ts, di), qd), ((tw, di), kd), ((c, 1, ts), wd))
+    tile = padded_bytes((tw, ts), wide)
+    temps = TEMP_TILES * tile + 4 * padded_bytes((max(ts, tw), di), wide)
+    if kernel == "scores":
+        plan = Plan(kernel, (*ins, ((ts, tw), wide)), (((tw, ts), wide),), temps)
+    elif kernel == "dq":
+        plan = Plan(kernel, (*ins, ((ts, tw), dtypes[3]), ((c, ts, di), qd), ((c, 1, ts), wd)),
+                    (((c, di, ts), wide),), temps)
+    elif kernel == "dk":
+        plan = Plan(kernel, (*ins, ((ts, tw), dtypes[3]), ((tw, di), dtypes[-1])), (((tw, di), wide),), temps)
+    else:
+        raise ValueError(f"kernel={kernel!r} is not one of scores, dq, dk")
+    if plan.budget > VMEM_CAP:
+        raise ValueError(f"tiles={tiles!r}: kernel {kernel} needs {plan.budget / 2**20:.0f} MiB of VMEM at "
+                         f"{heads} heads x {head_dim} (cap {VMEM_CAP // 2**20} MiB): choose smaller tiles or "
+                         "a head chunk")
+    return plan
 
 
 # ----------------------------------------------------------------------------------- calls
 
 
-def _specs(c, di, tiles, by_rows):
-    """BlockSpecs of (q [B, c, S, DI], K [B, W, DI], w [B, S, c], g [B, S, W]) for a grid
-    (b, outer, inner): rows outer and key blocks inner (`by_rows`), or the reverse."""
+class LiveTiles(NamedTuple):
+    """Which (row tile, key tile) pairs the kernels compute, for one problem and `tiles`."""
+
+    bits: jax.Array  # [B*R*words] int32
+    row_lo: jax.Array  # [B*R] int32
+    row_hi: jax.Array
+    key_lo: jax.Array  # [B*K] int32
+    key_hi: jax.Array
+    tiles: Tiles
+
+    def table(self):
+        return (self.bits, self.row_lo, self.row_hi, self.key_lo, self.key_hi)
+
+
+def live_tiles(valid, tiles: Tiles) -> LiveTiles:
+    """The tile table of `valid` [B, S, W] bool: (bits [B*R*words] int32, row-tile ranges lo,
+    hi [B*R] and key-tile ranges lo, hi [B*K] int32), R row tiles and K key tiles. Bit j % 32
+    of word (b*R + i)*words + j // 32 says tile (i, j) has a valid entry; a row tile's range is
+    its first and last live key tile (0, 0 when none is), a key tile's likewise in row tiles.
+    The ranges only steer the copies: liveness is the table's."""
+    b, s, w = valid.shape
+    nr, nk = pl.cdiv(s, tiles.rows), pl.cdiv(w, tiles.keys)
+    padded = jnp.pad(valid, ((0, 0), (0, nr * tiles.rows - s), (0, nk * tiles.keys - w)))
+    return _table(jnp.any(padded.reshape(b, nr, tiles.rows, nk, tiles.keys), axis=(2, 4)), tiles)
+
+
+def live_tiles_by_rows(rows_valid, seq_len: int, num_blocks: int, tiles: Tiles) -> LiveTiles:
+    """`live_tiles` of the [B, S, W] validity that `rows_valid(rows)` gives row tile by row tile
+    (rows [ts] int32 -> [B, ts, W] bool; rows past S are masked here): a `lax.map` over the row
+    tiles, so the whole [B, S, W] mask never exists (4 GiB at S = 131072)."""
     ts, tw = tiles.rows, tiles.keys
+    nk = pl.cdiv(num_blocks, tw)
 
-    def rk(f):  # index map in terms of (b, row tile, key tile)
-        return (lambda b, i, j: f(b, i, j)) if by_rows else (lambda b, j, i: f(b, i, j))
+    def one(i):
+        rows = i * ts + jnp.arange(ts, dtype=jnp.int32)
+        v = rows_valid(rows) & (rows < seq_len)[None, :, None]
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, nk * tw - num_blocks)))
+        return jnp.any(v.reshape(v.shape[0], ts, nk, tw), axis=(1, 3))  # [B, K]
 
-    return [pl.BlockSpec((None, c, ts, di), rk(lambda b, i, j: (b, 0, i, 0))),
-            pl.BlockSpec((None, tw, di), rk(lambda b, i, j: (b, j, 0))),
-            pl.BlockSpec((None, ts, c), rk(lambda b, i, j: (b, i, 0))),
-            pl.BlockSpec((None, ts, tw), rk(lambda b, i, j: (b, i, j)))]
+    live = jax.lax.map(one, jnp.arange(pl.cdiv(seq_len, ts), dtype=jnp.int32))  # [R, B, K]
+    return _table(jnp.swapaxes(live, 0, 1), tiles)
 
 
-def _call(kernel, name, by_rows, out_shape, out_specs, args, tiles, interpret, **static):
+def _table(live, tiles: Tiles) -> LiveTiles:
+    """The LiveTiles of the tile liveness live [B, R, K] bool."""
+    b, nr, nk = live.shape
+    nwords = pl.cdiv(nk, WORD)
+    wordy = jnp.pad(live, ((0, 0), (0, 0), (0, nwords * WORD - nk))).reshape(b, nr, nwords, WORD)
+    shifts = jnp.arange(WORD, dtype=jnp.uint32)
+    bits = jnp.sum(wordy.astype(jnp.uint32) << shifts, axis=-1, dtype=jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(-1)
+
+    def ranges(t):  # t [B, n, m] bool -> first, last True along m (0, 0 when none)
+        m = t.shape[-1]
+        idx = jnp.arange(m, dtype=jnp.int32)
+        any_ = jnp.any(t, axis=-1)
+        lo = jnp.where(any_, jnp.min(jnp.where(t, idx, m), axis=-1, initial=m), 0)  # initial: m may be 0
+        hi = jnp.where(any_, jnp.max(jnp.where(t, idx, -1), axis=-1, initial=-1), 0)
+        return lo.astype(jnp.int32).reshape(-1), hi.astype(jnp.int32).reshape(-1)
+
+    return LiveTiles(bits, *ranges(live), *ranges(jnp.swapaxes(live, 1, 2)), tiles)
+
+
+def _all_live(b, s, w, tiles):
+    nr, nk = pl.cdiv(s, tiles.rows), pl.cdiv(w, tiles.keys)
+    nwords = pl.cdiv(nk, WORD)
+    bits = jnp.full((b * nr * nwords,), -1, jnp.int32)
+    return (bits, jnp.zeros((b * nr,), jnp.int32), jnp.full((b * nr,), nk - 1, jnp.int32),
+            jnp.zeros((b * nk,), jnp.int32), jnp.full((b * nk,), nr - 1, jnp.int32))
+
+
+def _0():
+    """A block index 0 as int32 (a literal 0 would be int64 under jax_enable_x64, which
+    Mosaic's index maps refuse)."""
+    return jnp.int32(0)
+
+
+def _clamp(x, lo_ref, hi_ref, at):
+    return jnp.minimum(jnp.maximum(x, lo_ref[at]), hi_ref[at])
+
+
+def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, interpret, plan, **static):
     """pallas_call of `kernel` over (B, row tiles, key tiles) (`by_rows`; else key tiles
-    outermost after B), the innermost axis a reduction ("arbitrary") unless nothing reduces."""
+    outermost after B). The inner axis is a reduction ("arbitrary") in the backward kernels.
+    The inner tile's inputs are clamped into the live range of the outer tile."""
     qt, keys = args[0], args[1]
     b, c, s, di = qt.shape
     nw = keys.shape[1]
-    specs = _specs(c, di, tiles, by_rows)
-    rows, blocks = pl.cdiv(s, tiles.rows), pl.cdiv(nw, tiles.keys)
-    inner = "parallel" if len(args) == 3 else "arbitrary"
+    ts, tw = tiles.rows, tiles.keys
+    nr, nk = pl.cdiv(s, ts), pl.cdiv(nw, tw)
+
+    if by_rows:  # grid (b, i, j); j clamped into row tile i's live key tiles
+        def kj(b, i, j, bits, rlo, rhi, klo, khi):
+            return _clamp(j, rlo, rhi, b * nr + i)
+
+        q_map = lambda b, i, j, *t: (b, _0(), i, _0())  # noqa: E731
+        k_map = lambda b, i, j, *t: (b, kj(b, i, j, *t), _0())  # noqa: E731
+        w_map = lambda b, i, j, *t: (b, _0(), _0(), i)  # noqa: E731
+        g_map = lambda b, i, j, *t: (b, i, kj(b, i, j, *t))  # noqa: E731
+        grid = (b, nr, nk)
+    else:  # grid (b, j, i); i clamped into key tile j's live row tiles
+        def ri(b, j, i, bits, rlo, rhi, klo, khi):
+            return _clamp(i, klo, khi, b * nk + j)
+
+        q_map = lambda b, j, i, *t: (b, _0(), ri(b, j, i, *t), _0())  # noqa: E731
+        k_map = lambda b, j, i, *t: (b, j, _0())  # noqa: E731
+        w_map = lambda b, j, i, *t: (b, _0(), _0(), ri(b, j, i, *t))  # noqa: E731
+        g_map = lambda b, j, i, *t: (b, ri(b, j, i, *t), j)  # noqa: E731
+        grid = (b, nk, nr)
+    specs = {"q": pl.BlockSpec((None, c, ts, di), q_map), "k": pl.BlockSpec((None, tw, di), k_map),
+             "w": pl.BlockSpec((None, c, 1, ts), w_map), "g": pl.BlockSpec((None, ts, tw), g_map)}
+    in_specs = [specs[n] for n in ("q", "k", "w", "g")[:len(args)]]
+    inner = "parallel" if name == "csa_index_scores" else "arbitrary"
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(table), grid=grid, in_specs=in_specs, out_specs=out_specs(grid),
+        scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch])
     return pl.pallas_call(
-        functools.partial(kernel, heads=c, **static),
-        out_shape=out_shape,
-        grid=(b, rows, blocks) if by_rows else (b, blocks, rows),
-        in_specs=specs[:len(args)], out_specs=out_specs(specs),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", inner)),
+        functools.partial(kernel, heads=c, nr=nr, nwords=pl.cdiv(nk, WORD),
+                          unroll=tiles.unroll if static["od"] == jnp.bfloat16 else 1,
+                          dd=jnp.dtype(jnp.float32) if interpret and static["od"] == jnp.bfloat16 else static["od"],
+                          **static),
+        out_shape=out_shape, grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", inner),
+                                             vmem_limit_bytes=plan.budget),
         interpret=interpret, name=name,
-    )(*args)
+    )(*table, *args)
 
 
-def _scores_call(qt, keys, w, tiles, interpret):
-    b, _, s, _ = qt.shape
-    wide = _wide_of(qt.dtype, keys.dtype, w.dtype)
-    return _call(_scores_kernel, "csa_index_scores", True, jax.ShapeDtypeStruct((b, s, keys.shape[1]), wide),
-                 lambda specs: specs[3], (qt, keys, w), tiles, interpret)
-
-
-def _dq_dw_call(qt, keys, w, g, tiles, interpret):
+def _scores_call(table, qt, keys, w4, tiles, interpret):
     b, c, s, di = qt.shape
-    shapes = (jax.ShapeDtypeStruct((b, c, s, di), g.dtype), jax.ShapeDtypeStruct((b, s, c), g.dtype))
-    return _call(_dq_dw_kernel, "csa_index_scores_dq_dw", True, shapes, lambda specs: (specs[0], specs[2]),
-                 (qt, keys, w, g), tiles, interpret, num_blocks=keys.shape[1], key_tile=tiles.keys)
+    wide = _wide_of(qt.dtype, keys.dtype, w4.dtype)
+    plan = vmem_budget("scores", c, di, (qt.dtype, keys.dtype, w4.dtype), tiles)
+    out = jax.ShapeDtypeStruct((b, s, keys.shape[1]), wide)
+    spec = lambda grid: pl.BlockSpec((None, tiles.rows, tiles.keys), lambda b, i, j, *t: (b, i, j))  # noqa: E731
+    return _call(_scores_kernel, "csa_index_scores", True, out, spec, table, (qt, keys, w4), tiles, interpret,
+                 plan, od=operand_dtype(qt.dtype, wide))
 
 
-def _dk_call(qt, keys, w, g, tiles, interpret):
-    b, _, s, di = qt.shape
-    shape = jax.ShapeDtypeStruct((b, keys.shape[1], di), g.dtype)
-    return _call(_dk_kernel, "csa_index_scores_dk", False, shape, lambda specs: specs[1],
-                 (qt, keys, w, g), tiles, interpret, seq_len=s, row_tile=tiles.rows)
+def _dq_call(table, qt, keys, w4, g, tiles, interpret):
+    b, c, s, di = qt.shape
+    wide = _wide_of(qt.dtype, keys.dtype, w4.dtype)
+    plan = vmem_budget("dq", c, di, (qt.dtype, keys.dtype, w4.dtype, g.dtype), tiles)
+    shapes = (jax.ShapeDtypeStruct(qt.shape, qt.dtype), jax.ShapeDtypeStruct(w4.shape, w4.dtype))
+
+    def specs(grid):
+        return (pl.BlockSpec((None, c, tiles.rows, di), lambda b, i, j, *t: (b, _0(), i, _0())),
+                pl.BlockSpec((None, c, 1, tiles.rows), lambda b, i, j, *t: (b, _0(), _0(), i)))
+
+    return _call(_dq_kernel, "csa_index_scores_dq", True, shapes, specs, table, (qt, keys, w4, g), tiles,
+                 interpret, plan, od=operand_dtype(qt.dtype, wide), num_blocks=keys.shape[1], key_tile=tiles.keys)
+
+
+def _dk_call(table, qt, keys, w4, g, tiles, dk_dtype, interpret):
+    b, c, s, di = qt.shape
+    wide = _wide_of(qt.dtype, keys.dtype, w4.dtype)
+    plan = vmem_budget("dk", c, di, (qt.dtype, keys.dtype, w4.dtype, g.dtype, dk_dtype), tiles)
+    shape = jax.ShapeDtypeStruct(keys.shape, dk_dtype)
+    spec = lambda grid: pl.BlockSpec((None, tiles.keys, di), lambda b, j, i, *t: (b, j, _0()))  # noqa: E731
+    return _call(_dk_kernel, "csa_index_scores_dk", False, shape, spec, table, (qt, keys, w4, g), tiles,
+                 interpret, plan, od=operand_dtype(qt.dtype, wide), seq_len=s, row_tile=tiles.rows)
 
 
 def _on_platform(call, *args):
@@ -229,45 +533,73 @@ def _on_platform(call, *args):
                                       default=functools.partial(call, interpret=True))
 
 
-def _check(q, keys, w, tiles):
+def _check(q, keys, w, tiles, valid):
     if q.ndim != 4 or keys.ndim != 3 or w.shape != q.shape[:3] or keys.shape[0] != q.shape[0] \
             or keys.shape[2] != q.shape[3]:
         raise ValueError(f"contribution: q [B,S,c,DI], keys [B,W,DI], w [B,S,c] expected, got q {q.shape}, "
                          f"keys {keys.shape}, w {w.shape}")
-    if not (isinstance(tiles.rows, int) and isinstance(tiles.keys, int) and tiles.rows >= 1 and tiles.keys >= 1):
-        raise ValueError(f"tiles={tiles!r} must be two ints >= 1 (query rows, key blocks)")
+    if not all(isinstance(v, int) and v >= 1 for v in (tiles.rows, tiles.keys, tiles.unroll)):
+        raise ValueError(f"tiles={tiles!r} must be ints >= 1 (query rows, key blocks, heads per loop iteration)")
+    want = (q.shape[0], q.shape[1], keys.shape[1])
+    if valid is not None and (tuple(valid.shape) != want or valid.dtype != jnp.bool_):
+        raise ValueError(f"contribution: valid must be bool {list(want)} [B, S, W], got {valid.dtype} "
+                         f"{list(valid.shape)}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _contribution(q, keys, w, tiles):
-    qt = jnp.swapaxes(q, 1, 2)  # [B, c, S, DI]: one head's rows are one leading index in VMEM
-    return _on_platform(functools.partial(_scores_call, tiles=tiles), qt, keys, w)
+def _layout(q, keys, w):
+    """The kernels' operands: q as [B, c, S, DI] (a head's rows are one leading index), keys in
+    q's dtype when q is narrower, w as [B, c, 1, S] (a head's weights are one row)."""
+    return jnp.swapaxes(q, 1, 2), keys.astype(q.dtype), jnp.swapaxes(w, 1, 2)[:, :, None, :]
 
 
-def _contribution_fwd(q, keys, w, tiles):
-    return _contribution(q, keys, w, tiles), (q, keys, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _contribution(q, keys, w, table, tiles):
+    qt, k, w4 = _layout(q, keys, w)
+    return _on_platform(functools.partial(_scores_call, tiles=tiles), table, qt, k, w4)
+
+
+def _contribution_fwd(q, keys, w, table, tiles):
+    return _contribution(q, keys, w, table, tiles), (q, keys, w, table)
 
 
 def _contribution_bwd(tiles, res, g):
-    q, keys, w = res
-    qt = jnp.swapaxes(q, 1, 2)
-    dqt, dw = _on_platform(functools.partial(_dq_dw_call, tiles=tiles), qt, keys, w, g)
-    dk = _on_platform(functools.partial(_dk_call, tiles=tiles), qt, keys, w, g)
-    return jnp.swapaxes(dqt, 1, 2).astype(q.dtype), dk.astype(keys.dtype), dw.astype(w.dtype)
+    q, keys, w, table = res
+    qt, k, w4 = _layout(q, keys, w)
+    dqt, dw4 = _on_platform(functools.partial(_dq_call, tiles=tiles), table, qt, k, w4, g)
+    dk = _on_platform(functools.partial(_dk_call, tiles=tiles, dk_dtype=keys.dtype), table, qt, k, w4, g)
+    dq = jnp.swapaxes(dqt, 1, 2).astype(q.dtype)
+    dw = jnp.swapaxes(dw4[:, :, 0, :], 1, 2).astype(w.dtype)
+    return dq, dk.astype(keys.dtype), dw, tuple(None for _ in table)
 
 
 _contribution.defvjp(_contribution_fwd, _contribution_bwd)
 
 
-def contribution(q, keys, w, tiles: Tiles | None = None):
+def contribution(q, keys, w, tiles: Tiles | None = None, valid=None):
     """sum_h w[b,s,h] * relu(q[b,s,h] . K[b,j]), [B, S, W] in the wide dtype of the inputs,
     by the Pallas kernels (custom VJP: the backward kernels).
 
-    q [B, S, c, DI] and keys [B, W, DI] in the compute dtype or wide, w [B, S, c] wide.
-    `tiles`: (query rows, key blocks) per step; default `default_tiles(S, W)`."""
+    q [B, S, c, DI] and keys [B, W, DI] in the compute dtype or wide, w [B, S, c] wide. Keys
+    wider than q are multiplied in q's dtype (the library passes the compute-dtype keys
+    widened, for which that is exact); their gradient comes back in their own dtype.
+    `tiles`: (query rows, key blocks) per step; default `default_tiles(S, W)`.
+    `valid`: None, [B, S, W] bool, or its `live_tiles` (computed once for many calls, e.g. the
+    head chunks of one block of rows). With it, a tile with no valid entry is skipped: its
+    scores are 0 and its cotangent is ignored (callers mask the scores with `valid`, so the
+    skipped entries are among those they throw away); every entry of a live tile is computed."""
+    if isinstance(valid, LiveTiles):
+        if tiles is not None and tiles != valid.tiles:
+            raise ValueError(f"contribution: tiles={tiles!r} differ from the live table's {valid.tiles!r}")
+        tiles = valid.tiles
     tiles = tiles or default_tiles(q.shape[1], keys.shape[1])
-    _check(q, keys, w, tiles)
+    _check(q, keys, w, tiles, None if isinstance(valid, LiveTiles) else valid)
     if q.shape[1] == 0 or keys.shape[1] == 0 or q.shape[2] == 0:
         # Nothing to tile (no rows, blocks or heads): an empty or zero sum, no kernel.
         return jnp.zeros((q.shape[0], q.shape[1], keys.shape[1]), _wide_of(q.dtype, keys.dtype, w.dtype))
-    return _contribution(q, keys, w, tiles)
+    if valid is None:
+        table = _all_live(q.shape[0], q.shape[1], keys.shape[1], tiles)
+    elif isinstance(valid, LiveTiles):
+        table = valid.table()
+    else:
+        table = live_tiles(jax.lax.stop_gradient(valid), tiles).table()
+    return _contribution(q, keys, w, table, tiles)
