@@ -70,7 +70,7 @@ HOW = {
     "csa-parity run --impl mypkg.kernels:make_impl": HELP,
     "csa-parity run --impl package.module[:factory] [--cases ...]": HELP,
     "csa-parity run --list [--sample ci|default|full]": HELP,
-    "csa-parity run --sample ci|default|full": HELP,
+    "csa-parity run --sample ci|default|full|tpu": HELP,
     # cheap programs
     "python -m harness.run.platform_table": RUN,
     "python -m benchmarks.context_parallel --reprint": RUN,
