@@ -4,10 +4,12 @@ The work, beside the format (harness.problems.fixtures): a case's inputs and par
 from the catalogue (`harness.problems.cases.make_inputs`, numpy only); its goldens are the outputs
 of the torch reference, driven through the implementation protocol like every other
 side (`harness.sides.implementations.TorchReference`): the float64 oracle first, then each
-low dtype given the oracle's top-k for the sparse_at_oracle variant. `--check`
-regenerates in memory and compares with the committed files: inputs and parameters
-bit for bit, goldens within harness.judging.tolerance.FIXTURE_CHECK_RTOL, top-k picks by the
-project's one tie rule (harness.judging.compare.topk_sets).
+low dtype given the oracle's top-k for the sparse_at_oracle variant; each order error is the
+max over K evaluation orders and over the CPU kernels of ISA_VARIANTS, each in a fresh process.
+`--check` regenerates in memory, in this process only, and compares with the committed files:
+inputs and parameters bit for bit, goldens within harness.judging.tolerance.FIXTURE_CHECK_RTOL,
+top-k picks by the project's one tie rule (harness.judging.compare.topk_sets), order errors as
+the baselines of their bounds within harness.judging.tolerance.ORDERR_CHECK_FACTOR.
 
     python scripts/regenerate_fixtures.py [--case NAME] [--check] [--fixtures-dir DIR]
 """
