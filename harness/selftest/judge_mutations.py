@@ -144,8 +144,8 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     HarnessMutant(
         "order_error_ignored", "bound", "judging/judge.py",
-        "order_error=refs.order_errors.get(baseline_name))",
-        "order_error=None)",
+        "order_error=refs.order_errors.get(baseline_name),",
+        "order_error=None,",
         _rules("test_oracle_baseline_is_at_least_the_stored_order_error"), "order-error baseline",
         "the stored order error never consulted: a lucky draw of the reference's rounding sets the bound",
     ),
