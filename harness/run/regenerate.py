@@ -65,7 +65,7 @@ def _versions() -> dict[str, str]:
 
 def cpu_capability_note() -> str | None:
     """A line when torch computes with other CPU kernels than the committed fixtures were
-    generated with (harness.CPU_PINS: ATen's kernels and oneDNN's instruction set):
+    generated with (harness.CPU_PINS: ATen's kernels, oneDNN's instruction set, MKL's branch):
     goldens then differ in rounding."""
     import torch
 
@@ -78,8 +78,9 @@ def cpu_capability_note() -> str | None:
         return (f"torch computes with CPU capability {used}, the committed fixtures with "
                 f"{TORCH_CPU_CAPABILITY}: float32 goldens (order errors above all) round differently; "
                 f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '(unset)')} in this process")
-    return (f"{', '.join(others)} in this process, the committed fixtures were generated with "
-            f"{TORCH_CPU_CAPABILITY} (harness.CPU_PINS): bfloat16 and BLAS goldens may round differently")
+    pins = ", ".join(f"{name}={value}" for name, value in CPU_PINS.items() if name != "ATEN_CPU_CAPABILITY")
+    return (f"{', '.join(others)} in this process, the committed fixtures were generated with {pins} "
+            f"(harness.CPU_PINS): bfloat16 and BLAS goldens may round differently")
 
 
 def golden_tensors(problem: Problem, teachers=("joint",)) -> dict[str, np.ndarray]:
