@@ -5,9 +5,9 @@ import os
 # torch's CPU kernels choose their instruction set once per process, at their first use, and a
 # float32 or bfloat16 sum's order, so its rounding, follows that choice. Three libraries choose
 # for themselves, each from its own variable, each by default from the CPU:
-# - ATen's own kernels (ATEN_CPU_CAPABILITY: default, avx2, avx512): told avx512 here, 453 of
-#   the fixtures' float64 goldens move in their last bits (at most 9.7e-16 normwise) and float32
-#   ones by up to 0.29x FIXTURE_CHECK_RTOL (measured with scripts/measure_isa_variants.py);
+# - ATen's own kernels (ATEN_CPU_CAPABILITY: default, avx2, avx512): told avx512 here, 457 of
+#   the fixtures' float64 goldens move in their last bits (at most 9.9e-16 normwise) and float32
+#   ones by up to 0.46x FIXTURE_CHECK_RTOL (measured with scripts/measure_isa_variants.py);
 # - oneDNN (ONEDNN_MAX_CPU_ISA), which computes the bfloat16 matmuls wherever the CPU has
 #   AVX512-BF16 or AMX, whatever ATEN_CPU_CAPABILITY says: left to its widest, bfloat16 and
 #   float16 goldens of 11 of the 21 cases move (up to 0.13x FIXTURE_CHECK_RTOL);
