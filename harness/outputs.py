@@ -217,6 +217,10 @@ class References:
     # (harness.judging.tolerance.reduction_length; None: no such floor).
     order_errors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     dims: Mapping[str, int] | None = None
+    # For a narrow dtype (bfloat16, float16): the wide dtype's (float32) stored order errors, whose
+    # loss entries floor the narrow loss's baseline (harness.judging.tolerance.wide_reference_floor;
+    # empty otherwise or when unknown).
+    wide_order_errors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # Where the problem quantizes: the reference recomputed on the candidate's own codes, in
     # float64 and at the entry's dtype (`oracle`, `at_dtype`: the candidate's `own.` outputs
     # are judged against them), or the reason that check cannot run (`own_missing`: the

@@ -834,9 +834,26 @@ def _fake_collect(monkeypatch, values_at):
 
     monkeypatch.setattr(collect_module, "outputs", outputs)
     monkeypatch.setattr(collect_module, "order_errors",
-                        lambda case, dtype, teacher="joint": {"loss.dense": {"float32": 4e-3, "bfloat16": 0.3}[dtype]})
+                        lambda case, dtype, teacher="joint": {"loss.dense": {"float32": 4e-3, "bfloat16": 0.3,
+                                                                               "float16": 1e-6}[dtype]})
     monkeypatch.setattr(collect_module.platforms, "current_backend", lambda: "cpu")
     return calls
+
+
+def test_collect_floors_a_narrow_loss_with_the_float32_order_error(monkeypatch):
+    """oracle (loss, bfloat16 / float16): the baseline is at least WIDE_REFERENCE_SHARE times the
+    float32 reference's stored error of the same loss, however close the reference at the dtype
+    and its own order error (float16's 1e-6 here) landed."""
+    oracle = np.float64(0.61)
+    bound = ALPHA["loss"] * tolerance.WIDE_REFERENCE_SHARE["loss"] * 4e-3  # float32's stored order error
+    for f, status in ((BELOW, PASSED), (ABOVE, FAILED)):
+        _fake_collect(monkeypatch, lambda spec, p: {"loss.dense": _bump(oracle, f * bound) if spec == "jax"
+                                                    else oracle})
+        entry = Entry(Point("tiny", "float16"), "dense", "loss")
+        cand, refs = collect_module.collect(entry, "goldens")
+        r = _only(judge(entry, cand, refs), "oracle")
+        assert r.status == status, f"rule 'a narrow loss is floored by the float32 reference' at {f}x the bound: {r.message}"
+        assert "(the float32 reference's error)" in r.message, r.message
 
 
 def test_collect_judges_a_chunked_point_against_its_native_point(monkeypatch):

@@ -69,12 +69,14 @@ PINS = {
     "ISOLATION": 0.0,
     "FIXTURE_CHECK_RTOL.float64": 1e-12, "FIXTURE_CHECK_RTOL.float32": 16 * 2.0**-23,
     "FIXTURE_CHECK_RTOL.bfloat16": 16 * 2.0**-8, "FIXTURE_CHECK_RTOL.float16": 16 * 2.0**-11,
-    "ORDERR_CHECK_FACTOR": 2.0,
+    "ORDERR_CHECK_FACTOR.float32": 32.0, "ORDERR_CHECK_FACTOR.bfloat16": 1.25, "ORDERR_CHECK_FACTOR.float16": 8.0,
+    "WIDE_REFERENCE_SHARE.loss": 1.0,
     "MEMORY_FLOOR_FACTOR": 2.0,
     "MEMORY_GROWTH_SLACK": 1.15,
 }
 
 LOW = ("float32", "bfloat16", "float16")  # the dtypes judged against the oracle by the alpha rule
+NARROW = ("bfloat16", "float16")  # the dtypes whose loss the float32 reference floors
 
 
 def pin(name: str) -> float:
@@ -186,9 +188,10 @@ def _mode(kind):
 # --------------------------------------------------------------------------- dense and forward checks
 
 
-def _oracle_case(dtype, kind, item, t_err, bound, dims=None, check=None, seed=0):
+def _oracle_case(dtype, kind, item, t_err, bound, dims=None, check=None, seed=0, wide=None):
     """The oracle rule (float64: exact64) on a dense or forward quantity: the reference at the
-    dtype off by `t_err` (0: exact, the floor decides), the problem's `dims` (the sqrt(n) floor)."""
+    dtype off by `t_err` (0: exact, the floor decides), the problem's `dims` (the sqrt(n) floor),
+    the float32 reference's stored error `wide` (the narrow loss's floor)."""
     quantity, name, scale, make = item
     oracle = make(_rng(seed))
     torch_t = _bump(oracle, t_err, (0,) * np.ndim(oracle), scale) if t_err else oracle
@@ -196,7 +199,8 @@ def _oracle_case(dtype, kind, item, t_err, bound, dims=None, check=None, seed=0)
 
     def run(err, spoil):
         cand = Outputs("hand-made", {name: _spoil(_bump(oracle, err, scale=scale), spoil)})
-        refs = References(Outputs("oracle", {name: oracle}), Outputs("reference@t", {name: torch_t}), dims=dims)
+        refs = References(Outputs("oracle", {name: oracle}), Outputs("reference@t", {name: torch_t}), dims=dims,
+                          wide_order_errors={} if wide is None else {name: wide})
         return _of(_only(judge(Entry(Point("tiny", dtype), _mode(kind), quantity), cand, refs), check))
 
     return Case(check, dtype, kind, quantity, bound, run)
@@ -232,7 +236,7 @@ def _sparse_scores():
     return s
 
 
-def _sel_case(check, dtype, kind, bound, t_err=0.05):
+def _sel_case(check, dtype, kind, bound, t_err=0.05, wide=None):
     """oracle@sel / exact64@sel / chunk@sel / xla@sel: the sparse value on the oracle's selection
     against the oracle's own sparse run (or native's run on the oracle's selection)."""
     loss = kind == "loss"
@@ -251,7 +255,8 @@ def _sel_case(check, dtype, kind, bound, t_err=0.05):
             Outputs("oracle", {"index_scores": scores, "topk_indices": PICKS, own: oracle}),
             Outputs("reference@t", {"index_scores": scores, at_sel: _bump(oracle, t_err, (0,) * np.ndim(oracle)),
                                     own: _bump(oracle, t_err, (0,) * np.ndim(oracle))}),
-            native=Outputs("native", {"topk_indices": PICKS, own: native, at_sel: native}) if knobs else None)
+            native=Outputs("native", {"topk_indices": PICKS, own: native, at_sel: native}) if knobs else None,
+            wide_order_errors={} if wide is None else {at_sel: wide})
         cand = Outputs("hand-made", {"topk_indices": PICKS, own: base, at_sel: value})
         return _of(_only(judge(Entry(Point("tiny", dtype, **knobs), "sparse", quantity), cand, refs), check))
 
@@ -401,17 +406,18 @@ def _fixture_topk_case(dtype, bound):
                 spoilable=False)
 
 
-def _orderr_case(direction, bound):
-    """fixtures --check on a stored order error: old and new within a factor of each other."""
+def _orderr_case(direction, dtype, bound):
+    """fixtures --check on a stored order error of `dtype`: old and new within a factor of each
+    other (no dims: compared raw, no floor under them)."""
     def run(ratio, spoil):
         from harness.run.regenerate import compare_tensor
 
         old = 1e-7
         new = old * ratio if direction == "up" else old / ratio if ratio else 0.0
-        msg = compare_tensor("golden.float32.orderr.index_scores", _raw(old), _raw(new), {}, {})
+        msg = compare_tensor(f"golden.{dtype}.orderr.index_scores", _raw(old), _raw(new), {}, {})
         return Verdict(msg is None, None, msg or "within the factor")
 
-    return Case("fixtures --check", "any", "order error", f"golden.<t>.orderr.* ({direction})", bound, run,
+    return Case("fixtures --check", dtype, "order error", f"golden.{dtype}.orderr.* ({direction})", bound, run,
                 spoilable=False)
 
 
@@ -482,6 +488,16 @@ def _wide_u_cases():
     return cases
 
 
+def _wide_reference_cases(kind):
+    """The narrow dtypes' loss floor set by the float32 reference's stored error (1e-3 here, far
+    above the loss floor 2^-18; the reference at the dtype exact), dense and on the oracle's
+    selection."""
+    wide = 1e-3
+    bound = pin("ALPHA.loss") * pin(f"WIDE_REFERENCE_SHARE.{kind}") * wide
+    return ([_oracle_case(dtype, kind, item, 0.0, bound, wide=wide) for dtype in NARROW for item in QUANTITIES[kind]]
+            + [_sel_case("oracle@sel", dtype, kind, bound, t_err=0.0, wide=wide) for dtype in NARROW])
+
+
 def _exact64_cases():
     e = pin("EXACT64")
     return ([_oracle_case("float64", kind, item, 1e-3, e) for kind in QUANTITIES for item in QUANTITIES[kind]]
@@ -535,8 +551,9 @@ BUILDERS: dict[str, Callable[[tuple], list[Case]]] = {
     "FIXTURE_CHECK_RTOL": lambda k: [
         _fixture_case(_known(_need(k, 1)[0], DTYPES, "dtype"), pin(f"FIXTURE_CHECK_RTOL.{k[0]}")),
         _fixture_topk_case(k[0], pin(f"FIXTURE_CHECK_RTOL.{k[0]}"))],
-    "ORDERR_CHECK_FACTOR": lambda k: _scalar(k, lambda: [_orderr_case(d, pin("ORDERR_CHECK_FACTOR"))
-                                                         for d in ("up", "down")]),
+    "ORDERR_CHECK_FACTOR": lambda k: [_orderr_case(d, _known(_need(k, 1)[0], LOW, "dtype"),
+                                                       pin(f"ORDERR_CHECK_FACTOR.{k[0]}")) for d in ("up", "down")],
+    "WIDE_REFERENCE_SHARE": lambda k: _wide_reference_cases(_known(_need(k, 1)[0], ("loss",), "kind")),
     "MEMORY_FLOOR_FACTOR": lambda k: _scalar(k, lambda: [_memory_floor_case(pin("MEMORY_FLOOR_FACTOR"))]),
     "MEMORY_GROWTH_SLACK": lambda k: _scalar(k, lambda: [_memory_growth_case(w, pin("MEMORY_GROWTH_SLACK"))
                                                          for w in ("floor slope", "earlier slope")]),

@@ -224,13 +224,14 @@ def compare_close(check: str, quantity: str, x, ref, bound: float, scale: str = 
 
 def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: float, floor: float,
                     scale: str = "tensor", check: str = "oracle", order_error: float | None = None,
-                    factor: float = 1.0, profile: str = "") -> CheckResult:
+                    factor: float = 1.0, profile: str = "", floor_note: str = "") -> CheckResult:
     """SPEC section 10: err(candidate) <= factor * alpha * max(err(torch at the same dtype), floor).
 
     `order_error`: torch@t's worst error over K equivalent evaluation orders,
     stored in the fixture (harness.run.regenerate.order_errors); err(torch at t) is then the
     larger of it and the error of `torch_at_dtype` handed in. `factor`: the platform profile
-    `profile`'s factor for a candidate that ran on an accelerator (1 on a CPU)."""
+    `profile`'s factor for a candidate that ran on an accelerator (1 on a CPU). `floor_note`: what
+    set the floor, where not the tables (said after it in the message)."""
     t_err, _, _ = normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)
     one_order = t_err
     if order_error is not None:
@@ -238,7 +239,7 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
     bound = alpha * max(t_err, floor)
     bound *= factor
     orders = "" if order_error is None else f" (max over evaluation orders; this order {one_order:.3g})"
-    note = f"torch-at-dtype error {t_err:.3g}{orders}, floor {floor:.3g}, alpha {alpha:g}"
+    note = f"torch-at-dtype error {t_err:.3g}{orders}, floor {floor:.3g}{floor_note}, alpha {alpha:g}"
     if factor != 1.0 or profile:
         note += f", platform factor {factor:g} ({profile or 'no profile'})"
     result = compare_close(check, quantity, candidate, oracle, bound, scale, note)

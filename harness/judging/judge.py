@@ -105,10 +105,14 @@ def _versus_oracle(quantity, name, candidate, refs: References, oracle_name, bas
     if dtype == "float64":
         return compare_close("exact64@sel" if sel else "exact64", quantity, candidate, oracle, policy.exact64,
                              _scale(name))
+    wide = refs.wide_order_errors.get(baseline_name)
+    floor = policy.floor(dtype, name, refs.dims, wide)
     return oracle_relative(quantity, candidate, oracle, refs.at_dtype[baseline_name], policy.alpha(name),
-                           policy.floor(dtype, name, refs.dims), _scale(name), check="oracle@sel" if sel else "oracle",
+                           floor, _scale(name), check="oracle@sel" if sel else "oracle",
                            factor=policy.oracle_factor(dtype, name), profile=policy.platform_profile,
-                           order_error=refs.order_errors.get(baseline_name))
+                           order_error=refs.order_errors.get(baseline_name),
+                           floor_note=(" (the float32 reference's error)" if wide is not None
+                                       and floor > policy.floor(dtype, name, refs.dims) else ""))
 
 
 def _topk(outputs: Outputs, refs: References, dtype: str, policy: Policy, check: str = "topk",

@@ -21,7 +21,7 @@ import numpy as np
 from .. import platforms
 from ..judging.compare import CheckResult
 from ..judging.judge import first_divergence, judge, stage_checks
-from ..judging.tolerance import Policy
+from ..judging.tolerance import NARROW_DTYPES, WIDE_DTYPE, Policy
 from ..outputs import (CODE_QUANTITIES, FAILED, FORWARD_QUANTITIES, OWN, STAGE_MODE, Outputs, References, kind_of,
                        output_name, stage_of)
 from ..points import Entry, Point
@@ -86,6 +86,7 @@ def collect(entry: Entry, reference: str = "live", candidate: Outputs | None = N
         native=outputs(entry.impl, p.case, p.native) if p.native else None,
         order_errors=order_errors(p.case, p.dtype, p.teacher),
         dims=dims(p.case),
+        wide_order_errors=(order_errors(p.case, WIDE_DTYPE, p.teacher) if p.dtype in NARROW_DTYPES else {}),
         quant=quant,
     )
     sides = [candidate, references.native, references.oracle, references.at_dtype]

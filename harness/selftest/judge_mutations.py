@@ -160,8 +160,8 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     HarnessMutant(
         "order_error_ignored", "bound", "judging/judge.py",
-        "order_error=refs.order_errors.get(baseline_name))",
-        "order_error=None)",
+        "order_error=refs.order_errors.get(baseline_name),",
+        "order_error=None,",
         _rules("test_oracle_baseline_is_at_least_the_stored_order_error"), "order-error baseline",
         "the stored order error never consulted: a lucky draw of the reference's rounding sets the bound",
     ),
@@ -231,6 +231,20 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         'order_errors=order_errors(p.case, "bfloat16", p.teacher),',
         _rules("test_collect_hands_the_entrys_dtype_order_errors"), "order-error baseline",
         "the stored order errors of bfloat16 handed to every dtype's oracle check",
+    ),
+    HarnessMutant(
+        "wide_floor_of_the_entrys_dtype", "reference", "run/collect.py",
+        "wide_order_errors=(order_errors(p.case, WIDE_DTYPE, p.teacher)",
+        "wide_order_errors=(order_errors(p.case, p.dtype, p.teacher)",
+        _rules("test_collect_floors_a_narrow_loss_with_the_float32_order_error"), "narrow loss floor",
+        "a narrow dtype's loss floored by its own order error instead of the float32 reference's",
+    ),
+    HarnessMutant(
+        "wide_floor_ignored", "bound", "judging/judge.py",
+        "wide = refs.wide_order_errors.get(baseline_name)",
+        "wide = None",
+        _rules("test_collect_floors_a_narrow_loss_with_the_float32_order_error"), "narrow loss floor",
+        "the float32 reference's error never floors a narrow loss: yarn_tail's float16 cancellation sets its bound",
     ),
     HarnessMutant(
         "sel_baseline_from_own_selection", "reference", "judging/judge.py",

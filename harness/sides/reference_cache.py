@@ -6,7 +6,7 @@ mode cost a worker seconds; a large case's float64 backward more). An entry is k
 everything its values follow from: the fixture file's bytes (sha256), the point's dtype and
 teacher, the loss variants, the source of torch_ref and of the harness modules that call it
 and name its outputs, the versions of torch, numpy, ml_dtypes and Python, the machine and
-torch's CPU kernel choice (ATEN_CPU_CAPABILITY).
+torch's CPU kernel choice (every variable of harness.ISA_VARIABLES: ATen's, oneDNN's and MKL's).
 
 The built-in JAX implementation's outputs at a point are kept the same way, so that a rerun of
 an unchanged `jax_impl` neither traces, compiles nor runs a program: keyed by the fixture's
@@ -37,6 +37,8 @@ import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from .. import ISA_VARIABLES
 
 # The default matrix's references take about as much as its fixtures (~20 MB), the JAX outputs of
 # its points about 10 times more (each point holds every loss variant's gradients).
@@ -138,7 +140,8 @@ def key_parts(fixture_path: Path, dtype: str, teacher: str, variants) -> dict:
     return {"fixture_sha256": file_sha(fixture_path), "dtype": dtype, "teacher": teacher,
             "variants": list(variants), "sources_sha256": sources_sha(), "torch": _version("torch"),
             "numpy": _version("numpy"), "ml_dtypes": _version("ml_dtypes"), "python": sys.version,
-            "machine": platform.machine(), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "")}
+            "machine": platform.machine(),
+            "cpu_kernels": {name: os.environ.get(name, "") for name in ISA_VARIABLES}}
 
 
 def key(parts: dict) -> str:
