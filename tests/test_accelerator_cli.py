@@ -53,9 +53,12 @@ def test_jobs_above_one_process_per_chip_are_serialised_and_the_report_names_the
     assert plat["tolerance"] == {"precision_profile": "highest", "platform_profile": None, "platform_factors": None,
                                  "note": "the CPU's bounds"}
     assert "avx2" in plat["cpu"]["isa"] or plat["cpu"]["isa"] == [] or plat["cpu"]["machine"] != "x86_64"
+    # the kernel-selecting variables as the run saw them: the harness's pins where the user set none
+    assert plat["cpu_kernel_variables"]["MKL_CBWR"] == os.environ.get("MKL_CBWR", "COMPATIBLE")
     assert data["summary"]["failed"] == 0 and data["summary"]["errors"] == 0
     md = (out / "parity.md").read_text().splitlines()
     assert md[3].startswith("- device: cpu cpu x1; jax ") and "tolerances: `highest` precision profile" in md[3]
+    assert "MKL_CBWR=" in md[3]
 
 
 def test_a_chip_held_by_another_program_is_one_line(tmp_path):

@@ -218,6 +218,11 @@ def platform_info(precision: str, reference: str, device: dict | None = None) ->
     }
     if device["backend"] != "tpu":  # what a pallas-backend point ran (jax_impl.kernels.interpret_mode)
         info["pallas"] = f"Pallas interpret mode on {device['backend']} (no TPU: the kernels are interpreted)"
+    # The variables that select torch's CPU kernels (as this run's processes see them: what the
+    # user left unset, importing the harness pinned), so two CPU reports can be told apart.
+    from .. import ISA_VARIABLES
+
+    info["cpu_kernel_variables"] = {name: os.environ.get(name, "") for name in ISA_VARIABLES}
     if reference == "live":  # the installed version, read without importing torch here
         from importlib.metadata import PackageNotFoundError, version
 

@@ -418,6 +418,9 @@ def device_line(platform: dict) -> str:
         parts.append(f"CPU {cpu.get('model')} ({cpu.get('machine')}; ISA: {', '.join(cpu.get('isa') or []) or 'unknown'})")
     if platform.get("torch_cpu_capability"):
         parts.append(f"torch CPU capability {platform['torch_cpu_capability']}")
+    kernels = {k: v for k, v in (platform.get("cpu_kernel_variables") or {}).items() if v}
+    if kernels:
+        parts.append("CPU kernels " + ", ".join(f"{k}={v}" for k, v in kernels.items()))
     tol = platform.get("tolerance") or {}
     if tol:
         profile = tol.get("platform_profile")
