@@ -46,15 +46,17 @@ parity: $(STAMP)
 
 # The whole suite, in two processes side by side (each pytest one process). The main one: the
 # tests on the ci sample of the matrix (SAMPLE=default or full for more; docs/matrix.md says
-# what each holds), the matrix first (fixtures --check is its tests/test_fixtures.py). Beside it:
+# what each holds), the matrix first. Beside it:
 # the implementation's mutation self-test (tests/conftest.py runs it first: the two processes
 # share one compilation cache, so the matrix programs its clean run compiles are loaded by the
 # main process's matrix, or the other way round; first or last made no difference beyond the
 # machine's noise: .ci/run took 1035 and 1188 s with it first, 1182 s with it last), then
 # crash isolation, the random configurations, the query-chunk tests (a process of their own:
 # under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in each file; run
-# alone, both pass), the gradient checks and the training trajectories (here, they even out
-# the two processes' times); then the sharded slice (8 simulated devices, set before JAX
+# alone, both pass), the gradient checks, the training trajectories, the fixtures' regeneration
+# and --check, and the caches (here, they even out the two processes' times: with the fixtures
+# and caches in the main one, .ci/run's main process ended after 1525 s, the side one after
+# 1281 s); then the sharded slice (8 simulated devices, set before JAX
 # starts), all on the same sample as the main process. The main process ends with the
 # two-process slice (the sequence-sharded points across two processes of 4 devices each,
 # harness.run.multihost).
@@ -67,7 +69,8 @@ parity: $(STAMP)
 SAMPLE ?= ci
 XDIST ?= 0
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
-	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_training.py
+	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_training.py tests/test_fixtures.py \
+	tests/test_caches.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \

@@ -400,7 +400,6 @@ def loosened(value: float) -> float:
     return value * 10.0 if value > 0 else math.ulp(0.0)
 
 
-
 # --- Platform profiles (harness/profiles/*.json, harness.platforms.load_profile): on a device
 # whose arithmetic is not the CPU's, the oracle rule's bound is multiplied by the factor its
 # profile measured for the run's matmul precision, dtype and kind. The numbers are data, each
