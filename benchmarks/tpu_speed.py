@@ -208,14 +208,12 @@ def run_stage(seqs, repeats, stage_rows, hbm, peak, log, dtype_names=("bfloat16"
 
 
 def parse_variant(text: str):
-    """'256x256u8' -> Tiles(256, 256, unroll=8); a trailing 't': q read transposed
-    (Tiles.transposed_q), e.g. '256x256u8t'."""
+    """'256x256u8' -> Tiles(256, 256, unroll=8)."""
     from jax_impl.kernels import Tiles
 
-    transposed = text.endswith("t")
-    size, _, unroll = text.removesuffix("t").partition("u")
+    size, _, unroll = text.partition("u")
     rows, keys = (int(v) for v in size.split("x"))
-    return Tiles(rows, keys, int(unroll or 1), transposed_q=transposed)
+    return Tiles(rows, keys, int(unroll or 1))
 
 
 def run_variants(seq, variants, repeats, hbm, peak, log):
@@ -361,7 +359,7 @@ def main(argv=None):
     p.add_argument("--stage-rows", type=int, default=8192, help="query block rows where the stage needs them")
     p.add_argument("--step-rows", type=int, default=1024, help="query block rows of the Pallas step")
     p.add_argument("--variants", default="", help="extra Pallas tiles for the S=8192 stage, e.g. 256x256u8,512x256 "
-                   "(rows x keys, u: heads per head-loop iteration, t: q read transposed)")
+                   "(rows x keys, u: heads per head-loop iteration)")
     p.add_argument("--out", default=os.path.join(HERE, "tpu_results.json"))
     args = p.parse_args(argv)
     backend = jax.default_backend()

@@ -104,10 +104,6 @@ class Tiles:
     # v5e at HI=64, S=8192, 256 x 256 tiles: 8 takes the forward from 3.64 to 2.64 ms and the
     # forward + backward from 17.1 to 10.4 ms (benchmarks/tpu_speed.py --variants).
     unroll: int = 8
-    # The forward and dq kernels read q transposed, [B, c, DI, S], so that a head's logits
-    # [tw, ts] = K . q_h^T are a plain (NN) product with no transposed operand; the dK kernel,
-    # whose other product needs q's rows, reads q as [B, c, S, DI] either way.
-    transposed_q: bool = False
 
     def legal(self, seq_len: int, num_blocks: int, itemsize: int = 4) -> str | None:
         """None when legal on TPU for [.., S, W] (inputs of `itemsize` bytes), else why not."""
@@ -205,13 +201,7 @@ def _transpose(x):
 # ----------------------------------------------------------------------------------- kernels
 
 
-def _logits(k, q_ref, h, od, wide, dd, transposed):
-    """Head h's logits [tw, ts] = K . q_h^T from a q block [c, ts, DI] or, `transposed`, [c, DI, ts]."""
-    return _dot(k, q_ref[h].astype(od), ((1,), (0,) if transposed else (1,)), wide, dd)
-
-
-def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od, dd, unroll,
-                   transposed):
+def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od, dd, unroll):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
     live = _live(bits, b, i, j, nr, nwords)
@@ -222,7 +212,7 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
         acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
 
         def head(h):
-            logits = _logits(k, q_ref, h, od, wide, dd, transposed)  # [tw, ts]
+            logits = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd)  # [tw, ts]
             acc_ref[...] += w_ref[h] * jnp.maximum(logits, 0)
 
         _over_heads(heads, head, unroll)
@@ -234,7 +224,7 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
 
 
 def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_ref, acc_ref, *, heads, nr,
-               nwords, od, dd, unroll, num_blocks, key_tile, transposed):
+               nwords, od, dd, unroll, num_blocks, key_tile):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
 
@@ -254,7 +244,7 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
         gt = tuple(t.astype(wide) for t in _terms(g_ref[...].astype(wide).T, od))
 
         def head(h):
-            fired = _logits(k, q_ref, h, od, wide, dd, transposed) > 0  # [tw, ts]
+            fired = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd) > 0  # [tw, ts]
             m = tuple(jnp.where(fired, t, 0).astype(od) for t in gt)
             acc_ref[h] += _dot_terms(m, kt, ((1,), (0,)), wide, dd, terms_first=False)  # [DI, ts]
 
@@ -265,8 +255,7 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
         def head(h):
             mk = acc_ref[h]  # [DI, ts]: sum_j m[j, s] K[j, :], transposed
             dq_ref[h] = (mk * w_ref[h]).T.astype(dq_ref.dtype)
-            qh = q_ref[h].astype(wide)
-            dw_ref[h] = jnp.sum((qh if transposed else qh.T) * mk, axis=0, keepdims=True).astype(dw_ref.dtype)
+            dw_ref[h] = jnp.sum(q_ref[h].astype(wide).T * mk, axis=0, keepdims=True).astype(dw_ref.dtype)
 
         _over_heads(heads, head, unroll)
 
@@ -354,8 +343,7 @@ def vmem_budget(kernel: str, heads: int, head_dim: int, dtypes, tiles: Tiles) ->
     ts, tw, c, di = tiles.rows, tiles.keys, heads, head_dim
     qd, kd, wd = dtypes[:3]
     wide = _wide_of(qd, kd, wd)
-    q_block = (c, di, ts) if tiles.transposed_q and kernel in ("scores", "dq") else (c, ts, di)
-    ins = ((q_block, qd), ((tw, di), kd), ((c, 1, ts), wd))
+    ins = (((c, ts, di), qd), ((tw, di), kd), ((c, 1, ts), wd))
     tile = padded_bytes((tw, ts), wide)
     temps = TEMP_TILES * tile + 4 * padded_bytes((max(ts, tw), di), wide)
     if kernel == "scores":
@@ -458,14 +446,12 @@ def _clamp(x, lo_ref, hi_ref, at):
     return jnp.minimum(jnp.maximum(x, lo_ref[at]), hi_ref[at])
 
 
-def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, interpret, plan, transposed=False,
-          **static):
+def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, interpret, plan, **static):
     """pallas_call of `kernel` over (B, row tiles, key tiles) (`by_rows`; else key tiles
     outermost after B). The inner axis is a reduction ("arbitrary") in the backward kernels.
-    The inner tile's inputs are clamped into the live range of the outer tile. `transposed`:
-    q (args[0]) is [B, c, DI, S], else [B, c, S, DI]."""
+    The inner tile's inputs are clamped into the live range of the outer tile."""
     qt, keys = args[0], args[1]
-    b, c, s, di = _q_dims(qt, transposed)
+    b, c, s, di = qt.shape
     nw = keys.shape[1]
     ts, tw = tiles.rows, tiles.keys
     nr, nk = pl.cdiv(s, ts), pl.cdiv(nw, tw)
@@ -474,7 +460,7 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         def kj(b, i, j, bits, rlo, rhi, klo, khi):
             return _clamp(j, rlo, rhi, b * nr + i)
 
-        q_map = lambda b, i, j, *t: (b, _0(), _0(), i) if transposed else (b, _0(), i, _0())  # noqa: E731
+        q_map = lambda b, i, j, *t: (b, _0(), i, _0())  # noqa: E731
         k_map = lambda b, i, j, *t: (b, kj(b, i, j, *t), _0())  # noqa: E731
         w_map = lambda b, i, j, *t: (b, _0(), _0(), i)  # noqa: E731
         g_map = lambda b, i, j, *t: (b, i, kj(b, i, j, *t))  # noqa: E731
@@ -488,7 +474,7 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         w_map = lambda b, j, i, *t: (b, _0(), _0(), ri(b, j, i, *t))  # noqa: E731
         g_map = lambda b, j, i, *t: (b, ri(b, j, i, *t), j)  # noqa: E731
         grid = (b, nk, nr)
-    specs = {"q": pl.BlockSpec((None, c, di, ts) if transposed else (None, c, ts, di), q_map), "k": pl.BlockSpec((None, tw, di), k_map),
+    specs = {"q": pl.BlockSpec((None, c, ts, di), q_map), "k": pl.BlockSpec((None, tw, di), k_map),
              "w": pl.BlockSpec((None, c, 1, ts), w_map), "g": pl.BlockSpec((None, ts, tw), g_map)}
     in_specs = [specs[n] for n in ("q", "k", "w", "g")[:len(args)]]
     inner = "parallel" if name == "csa_index_scores" else "arbitrary"
@@ -499,7 +485,7 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         functools.partial(kernel, heads=c, nr=nr, nwords=pl.cdiv(nk, WORD),
                           unroll=tiles.unroll if static["od"] == jnp.bfloat16 else 1,
                           dd=jnp.dtype(jnp.float32) if interpret and static["od"] == jnp.bfloat16 else static["od"],
-                          **(dict(static, transposed=transposed) if by_rows else static)),
+                          **static),
         out_shape=out_shape, grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", inner),
                                              vmem_limit_bytes=plan.budget),
@@ -507,35 +493,28 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
     )(*table, *args)
 
 
-def _q_dims(qt, transposed):
-    """(B, c, S, DI) of q laid out [B, c, S, DI], or [B, c, DI, S] when `transposed`."""
-    b, c, x, y = qt.shape
-    return (b, c, y, x) if transposed else (b, c, x, y)
-
-
 def _scores_call(table, qt, keys, w4, tiles, interpret):
-    b, c, s, di = _q_dims(qt, tiles.transposed_q)
+    b, c, s, di = qt.shape
     wide = _wide_of(qt.dtype, keys.dtype, w4.dtype)
     plan = vmem_budget("scores", c, di, (qt.dtype, keys.dtype, w4.dtype), tiles)
     out = jax.ShapeDtypeStruct((b, s, keys.shape[1]), wide)
     spec = lambda grid: pl.BlockSpec((None, tiles.rows, tiles.keys), lambda b, i, j, *t: (b, i, j))  # noqa: E731
     return _call(_scores_kernel, "csa_index_scores", True, out, spec, table, (qt, keys, w4), tiles, interpret,
-                 plan, tiles.transposed_q, od=operand_dtype(qt.dtype, wide))
+                 plan, od=operand_dtype(qt.dtype, wide))
 
 
 def _dq_call(table, qt, keys, w4, g, tiles, interpret):
-    b, c, s, di = _q_dims(qt, tiles.transposed_q)
+    b, c, s, di = qt.shape
     wide = _wide_of(qt.dtype, keys.dtype, w4.dtype)
     plan = vmem_budget("dq", c, di, (qt.dtype, keys.dtype, w4.dtype, g.dtype), tiles)
-    shapes = (jax.ShapeDtypeStruct((b, c, s, di), qt.dtype), jax.ShapeDtypeStruct(w4.shape, w4.dtype))
+    shapes = (jax.ShapeDtypeStruct(qt.shape, qt.dtype), jax.ShapeDtypeStruct(w4.shape, w4.dtype))
 
     def specs(grid):
         return (pl.BlockSpec((None, c, tiles.rows, di), lambda b, i, j, *t: (b, _0(), i, _0())),
                 pl.BlockSpec((None, c, 1, tiles.rows), lambda b, i, j, *t: (b, _0(), _0(), i)))
 
     return _call(_dq_kernel, "csa_index_scores_dq", True, shapes, specs, table, (qt, keys, w4, g), tiles,
-                 interpret, plan, tiles.transposed_q, od=operand_dtype(qt.dtype, wide), num_blocks=keys.shape[1],
-                 key_tile=tiles.keys)
+                 interpret, plan, od=operand_dtype(qt.dtype, wide), num_blocks=keys.shape[1], key_tile=tiles.keys)
 
 
 def _dk_call(table, qt, keys, w4, g, tiles, dk_dtype, interpret):
@@ -567,17 +546,15 @@ def _check(q, keys, w, tiles, valid):
                          f"{list(valid.shape)}")
 
 
-def _layout(q, keys, w, transposed=False):
-    """The kernels' operands: q as [B, c, S, DI] (a head's rows are one leading index) or,
-    `transposed`, [B, c, DI, S]; keys in q's dtype when q is narrower; w as [B, c, 1, S] (a
-    head's weights are one row)."""
-    qt = jnp.transpose(q, (0, 2, 3, 1)) if transposed else jnp.swapaxes(q, 1, 2)
-    return qt, keys.astype(q.dtype), jnp.swapaxes(w, 1, 2)[:, :, None, :]
+def _layout(q, keys, w):
+    """The kernels' operands: q as [B, c, S, DI] (a head's rows are one leading index), keys in
+    q's dtype when q is narrower, w as [B, c, 1, S] (a head's weights are one row)."""
+    return jnp.swapaxes(q, 1, 2), keys.astype(q.dtype), jnp.swapaxes(w, 1, 2)[:, :, None, :]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _contribution(q, keys, w, table, tiles):
-    qt, k, w4 = _layout(q, keys, w, tiles.transposed_q)
+    qt, k, w4 = _layout(q, keys, w)
     return _on_platform(functools.partial(_scores_call, tiles=tiles), table, qt, k, w4)
 
 
@@ -588,8 +565,7 @@ def _contribution_fwd(q, keys, w, table, tiles):
 def _contribution_bwd(tiles, res, g):
     q, keys, w, table = res
     qt, k, w4 = _layout(q, keys, w)
-    qd = _layout(q, keys, w, True)[0] if tiles.transposed_q else qt  # the dq kernel's q
-    dqt, dw4 = _on_platform(functools.partial(_dq_call, tiles=tiles), table, qd, k, w4, g)
+    dqt, dw4 = _on_platform(functools.partial(_dq_call, tiles=tiles), table, qt, k, w4, g)
     dk = _on_platform(functools.partial(_dk_call, tiles=tiles, dk_dtype=keys.dtype), table, qt, k, w4, g)
     dq = jnp.swapaxes(dqt, 1, 2).astype(q.dtype)
     dw = jnp.swapaxes(dw4[:, :, 0, :], 1, 2).astype(w.dtype)
