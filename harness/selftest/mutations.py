@@ -517,8 +517,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kernel_accumulate_input_dtype", "scoring", "kernels/scores.py",
-        "                    a = a + w_ref[h0 + x] * jnp.maximum(lg_ref[x, at, :], 0)\n",
-        "                    a = (a + w_ref[h0 + x] * jnp.maximum(lg_ref[x, at, :], 0)).astype(q_ref.dtype).astype(wide)\n",
+        "            acc_ref[...] += w_ref[h] * jnp.maximum(logits, 0)\n",
+        "            acc_ref[...] = (acc_ref[...] + w_ref[h] * jnp.maximum(logits, 0)).astype(q_ref.dtype).astype(wide)\n",
         ("kernel",), (), "forward kernel: the head sum accumulated in the input dtype (bfloat16 for "
         "bfloat16 q), not float32",
         kernel=True, killing_test="tests/test_pallas.py",

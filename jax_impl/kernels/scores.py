@@ -166,46 +166,22 @@ def _dot_terms(terms, other, contract, wide, dd, terms_first):
     return out
 
 
-def _over_groups(heads, group, unroll=1):
-    """`group(h0, u)` over the heads in groups of `unroll` (h0: the group's first head, an
-    int32; u: its size, static), the groups by a loop with an int32 counter (Mosaic indexes in
-    32 bits, also under jax_enable_x64; fori_loop's own `unroll` would count in Python ints,
-    int64 there), the remainder after the loop as one smaller group."""
+def _over_heads(heads, body, unroll=1):
+    """`body(h)` for h = 0 .. heads - 1, `unroll` heads per iteration of a loop with an int32
+    counter (Mosaic indexes in 32 bits, also under jax_enable_x64; fori_loop's own `unroll`
+    would count in Python ints, int64 there), the remainder after the loop."""
     u = max(1, min(unroll, heads))
     groups, rest = divmod(heads, u)
 
     def step(g, carry):
-        group(g * u, u)
+        for k in range(u):
+            body(g * u + k)
         return carry
 
     if groups:
         jax.lax.fori_loop(jnp.int32(0), jnp.int32(groups), step, jnp.int32(0))
-    if rest:
-        group(jnp.int32(groups * u), rest)
-
-
-def _over_heads(heads, body, unroll=1):
-    """`body(h)` for h = 0 .. heads - 1, `unroll` heads per iteration of the head loop."""
-
-    def group(h0, u):
-        for k in range(u):
-            body(h0 + k)
-
-    _over_groups(heads, group, unroll)
-
-
-def heads_per_group(tiles, od, heads: int) -> int:
-    """Heads per iteration of a kernel's head loop: `tiles.unroll` for bfloat16 operands, one
-    for float32 (the only float32 form compiled on a chip so far)."""
-    return max(1, min(tiles.unroll if od == jnp.bfloat16 else 1, heads))
-
-
-def strip_rows(tw: int, ts: int, mult: int = 8) -> int:
-    """Rows per strip of an elementwise pass over a [tw, ts] float32 tile: about four vregs
-    ([16, 256] at ts = 256), a multiple of `mult` (8: a float32 row tile; 16 where a bfloat16
-    tile is stored) that divides tw, else the whole tile."""
-    want = max(mult, 4096 // max(ts, 1) // mult * mult)
-    return next((r for r in (want, 2 * mult, mult) if r <= tw and tw % r == 0), tw)
+    for k in range(rest):
+        body(jnp.int32(groups * u + k))
 
 
 def _live(bits_ref, b, i, j, nr, nwords):
@@ -225,12 +201,9 @@ def _transpose(x):
 # ----------------------------------------------------------------------------------- kernels
 
 
-def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, lg_ref, *, heads, nr, nwords,
-                   od, dd, unroll):
+def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od, dd, unroll):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
-    tw, ts = acc_ref.shape
-    strip = strip_rows(tw, ts, 8)
     live = _live(bits, b, i, j, nr, nwords)
 
     @pl.when(live)
@@ -238,24 +211,11 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
         k = k_ref[...].astype(od)
         acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
 
-        def group(h0, u):
-            # The group's logits into VMEM, one [tw, ts] tile a head; then the head sum strip
-            # by strip of key rows, so that a strip's partial sum stays in vregs across the
-            # group's heads (a whole-tile expression would spill each intermediate to VMEM).
-            for x in range(u):
-                lg_ref[x] = _dot(k, q_ref[h0 + x].astype(od), ((1,), (1,)), wide, dd)
+        def head(h):
+            logits = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd)  # [tw, ts]
+            acc_ref[...] += w_ref[h] * jnp.maximum(logits, 0)
 
-            def rows(r, carry):
-                at = pl.ds(pl.multiple_of(r * strip, strip), strip)
-                a = acc_ref[at, :]
-                for x in range(u):
-                    a = a + w_ref[h0 + x] * jnp.maximum(lg_ref[x, at, :], 0)
-                acc_ref[at, :] = a
-                return carry
-
-            jax.lax.fori_loop(jnp.int32(0), jnp.int32(tw // strip), rows, jnp.int32(0))
-
-        _over_groups(heads, group, unroll)
+        _over_heads(heads, head, unroll)
         o_ref[...] = acc_ref[...].T.astype(o_ref.dtype)
 
     @pl.when(jnp.logical_not(live))
@@ -263,23 +223,10 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _strips(tw, ts, mult, body):
-    """`body(at)` for the strips `at` (a pl.ds of key rows) of a [tw, ts] tile, by a loop with
-    an int32 counter; `mult`: the strip's row multiple (16 where a bfloat16 tile is stored)."""
-    strip = strip_rows(tw, ts, mult)
-
-    def rows(r, carry):
-        body(pl.ds(pl.multiple_of(r * strip, strip), strip))
-        return carry
-
-    jax.lax.fori_loop(jnp.int32(0), jnp.int32(tw // strip), rows, jnp.int32(0))
-
-
-def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_ref, acc_ref, lg_ref, gt_ref, m_ref,
-               *, heads, nr, nwords, od, dd, unroll, num_blocks, key_tile):
+def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_ref, acc_ref, *, heads, nr,
+               nwords, od, dd, unroll, num_blocks, key_tile):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
-    _, tw, ts = lg_ref.shape
 
     @pl.when(j == 0)
     def _():
@@ -292,28 +239,16 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
             block = j * key_tile + jax.lax.broadcasted_iota(jnp.int32, (key_tile, 1), 0)
             k = jnp.where(block < num_blocks, k.astype(wide), 0).astype(od)
         kt = _transpose(k)  # [DI, tw]
-        # The cotangent tile [tw, ts] as its terms, once per step (wide values of od numbers,
-        # exact); each head selects from them strip by strip and stores the narrowed result.
-        for n, t in enumerate(_terms(g_ref[...].astype(wide).T, od)):
-            gt_ref[n] = t.astype(wide)
-        nt = gt_ref.shape[0]
+        # The cotangent tile [tw, ts] and its terms, once per step; each head selects from the
+        # terms in the wide dtype (exact: a term is a bfloat16 value) and narrows the result.
+        gt = tuple(t.astype(wide) for t in _terms(g_ref[...].astype(wide).T, od))
 
-        def group(h0, u):
-            for x in range(u):
-                lg_ref[x] = _dot(k, q_ref[h0 + x].astype(od), ((1,), (1,)), wide, dd)  # [tw, ts]
+        def head(h):
+            fired = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd) > 0  # [tw, ts]
+            m = tuple(jnp.where(fired, t, 0).astype(od) for t in gt)
+            acc_ref[h] += _dot_terms(m, kt, ((1,), (0,)), wide, dd, terms_first=False)  # [DI, ts]
 
-            def strip(at):
-                for x in range(u):
-                    fired = lg_ref[x, at, :] > 0
-                    for n in range(nt):
-                        m_ref[x * nt + n, at, :] = jnp.where(fired, gt_ref[n, at, :], 0).astype(m_ref.dtype)
-
-            _strips(tw, ts, 16, strip)
-            for x in range(u):
-                m = tuple(m_ref[x * nt + n] for n in range(nt))
-                acc_ref[h0 + x] += _dot_terms(m, kt, ((1,), (0,)), wide, dd, terms_first=False)  # [DI, ts]
-
-        _over_groups(heads, group, unroll)
+        _over_heads(heads, head, unroll)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
@@ -325,11 +260,10 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
         _over_heads(heads, head, unroll)
 
 
-def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc_ref, lg_ref, gt_ref, p_ref, *,
-               heads, nr, nwords, od, dd, unroll, seq_len, row_tile):
+def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc_ref, *, heads, nr, nwords, od,
+               dd, unroll, seq_len, row_tile):
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
-    _, tw, ts = lg_ref.shape
 
     @pl.when(i == 0)
     def _():
@@ -346,32 +280,18 @@ def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc
             row_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (row_tile, 1), 0) < seq_len
             col_ok = i * row_tile + jax.lax.broadcasted_iota(jnp.int32, (1, row_tile), 1) < seq_len
             gt = jnp.where(col_ok, gt, 0)
-        gt_ref[...] = gt
-        nt = p_ref.shape[0] // lg_ref.shape[0]
 
-        def rows_of(h):
+        def head(h):
             q = q_ref[h].astype(od)
-            return jnp.where(row_ok, q.astype(wide), 0).astype(od) if partial else q
+            w = w_ref[h]  # [1, ts]
+            if partial:
+                q = jnp.where(row_ok, q.astype(wide), 0).astype(od)
+                w = jnp.where(col_ok, w, 0)
+            logits = _dot(k, q, ((1,), (1,)), wide, dd)  # [tw, ts]
+            p = jnp.where(logits > 0, gt, 0) * w
+            acc_ref[...] += _dot_terms(_terms(p, od), q, ((1,), (0,)), wide, dd, terms_first=True)  # [tw, DI]
 
-        def group(h0, u):
-            for x in range(u):
-                lg_ref[x] = _dot(k, rows_of(h0 + x), ((1,), (1,)), wide, dd)  # [tw, ts]
-
-            def strip(at):
-                for x in range(u):
-                    w = w_ref[h0 + x]  # [1, ts]
-                    if partial:
-                        w = jnp.where(col_ok, w, 0)
-                    p = jnp.where(lg_ref[x, at, :] > 0, gt_ref[at, :], 0) * w
-                    for n, t in enumerate(_terms(p, od)):
-                        p_ref[x * nt + n, at, :] = t
-
-            _strips(tw, ts, 16, strip)
-            for x in range(u):
-                p = tuple(p_ref[x * nt + n] for n in range(nt))
-                acc_ref[...] += _dot_terms(p, rows_of(h0 + x), ((1,), (0,)), wide, dd, terms_first=True)  # [tw, DI]
-
-        _over_groups(heads, group, unroll)
+        _over_heads(heads, head, unroll)
 
     @pl.when(i == pl.num_programs(2) - 1)
     def _():
@@ -427,19 +347,12 @@ def vmem_budget(kernel: str, heads: int, head_dim: int, dtypes, tiles: Tiles) ->
     tile = padded_bytes((tw, ts), wide)
     temps = TEMP_TILES * tile + 4 * padded_bytes((max(ts, tw), di), wide)
     if kernel == "scores":
-        u = heads_per_group(tiles, operand_dtype(qd, wide), heads)
-        plan = Plan(kernel, (*ins, ((ts, tw), wide)), (((tw, ts), wide), ((u, tw, ts), wide)), temps)
-    elif kernel in ("dq", "dk"):
-        od = operand_dtype(qd, wide)
-        u = heads_per_group(tiles, od, heads)
-        nt = 2 if od == jnp.bfloat16 else 1  # the cotangent's terms
-        if kernel == "dq":
-            plan = Plan(kernel, (*ins, ((ts, tw), dtypes[3]), ((c, ts, di), qd), ((c, 1, ts), wd)),
-                        (((c, di, ts), wide), ((u, tw, ts), wide), ((nt, tw, ts), wide), ((u * nt, tw, ts), od)),
-                        temps)
-        else:
-            plan = Plan(kernel, (*ins, ((ts, tw), dtypes[3]), ((tw, di), dtypes[-1])),
-                        (((tw, di), wide), ((u, tw, ts), wide), ((tw, ts), wide), ((u * nt, tw, ts), od)), temps)
+        plan = Plan(kernel, (*ins, ((ts, tw), wide)), (((tw, ts), wide),), temps)
+    elif kernel == "dq":
+        plan = Plan(kernel, (*ins, ((ts, tw), dtypes[3]), ((c, ts, di), qd), ((c, 1, ts), wd)),
+                    (((c, di, ts), wide),), temps)
+    elif kernel == "dk":
+        plan = Plan(kernel, (*ins, ((ts, tw), dtypes[3]), ((tw, di), dtypes[-1])), (((tw, di), wide),), temps)
     else:
         raise ValueError(f"kernel={kernel!r} is not one of scores, dq, dk")
     if plan.budget > VMEM_CAP:
@@ -570,7 +483,7 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch])
     return pl.pallas_call(
         functools.partial(kernel, heads=c, nr=nr, nwords=pl.cdiv(nk, WORD),
-                          unroll=heads_per_group(tiles, static["od"], c),
+                          unroll=tiles.unroll if static["od"] == jnp.bfloat16 else 1,
                           dd=jnp.dtype(jnp.float32) if interpret and static["od"] == jnp.bfloat16 else static["od"],
                           **static),
         out_shape=out_shape, grid_spec=grid_spec,
