@@ -22,6 +22,8 @@ normalisation widens through it.)
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -40,5 +42,64 @@ def round_to(x, dtype):
 
 def project(a, w, wide):
     """a @ w in the compute dtype of `a`: products summed in the wide dtype (float32 for
-    bfloat16/float16, as torch's CPU kernels and the TPU MXU do), rounded once to the dtype."""
+    bfloat16/float16, as torch's CPU kernels and the TPU MXU do), rounded once to the dtype.
+
+    `w` is in the compute dtype, or wide: then it is rounded to the compute dtype here (the
+    same product) and its gradient comes back wide and unrounded, the float32 sum of the
+    products that the compute-dtype form would round to bfloat16/float16 at once. That is
+    for a parameter that several blocks use (jax_impl.query_blocks): each block's gradient
+    stays wide, the blocks' are summed wide, and `round_grad_to` rounds the sum once, as
+    the one contraction over all rows is rounded once."""
+    if w.dtype != a.dtype:
+        return _project_wide_weight(a, w, jnp.dtype(wide))
     return round_to(jnp.matmul(a, w, preferred_element_type=wide), a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _project_wide_weight(a, w, wide):
+    return round_to(jnp.matmul(a, round_to(w, a.dtype), preferred_element_type=wide), a.dtype)
+
+
+def _project_wide_weight_fwd(a, w, wide):
+    w_low = round_to(w, a.dtype)
+    return round_to(jnp.matmul(a, w_low, preferred_element_type=wide), a.dtype), (a, w_low)
+
+
+def _project_wide_weight_bwd(wide, res, g):
+    # What autodiff of the compute-dtype form computes (the cotangent widened, JAX's
+    # dot_general transposes), except that dw is not cast to the compute dtype.
+    a, w_low = res
+    g = g.astype(wide)
+    lead = tuple(range(a.ndim - 1))
+    dw = jax.lax.dot_general(g, a, ((lead, lead), ((), ())), preferred_element_type=wide).T
+    da = jax.lax.dot_general(g, w_low, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=wide)
+    return da.astype(a.dtype), dw
+
+
+_project_wide_weight.defvjp(_project_wide_weight_fwd, _project_wide_weight_bwd)
+
+
+def round_grad_to(x, dtype):
+    """x itself, whose cotangent is rounded to `dtype` (`round_to`) and widened back: the one
+    rounding that a cast of the wide x to `dtype` gives its gradient, for an x whose uses
+    (`project` with a wide weight) return wide, unrounded gradients."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    return _round_grad_to(x, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _round_grad_to(x, dtype):
+    return x
+
+
+def _round_grad_to_fwd(x, dtype):
+    return x, None
+
+
+def _round_grad_to_bwd(dtype, _, g):
+    return (round_to(g, dtype).astype(g.dtype),)
+
+
+_round_grad_to.defvjp(_round_grad_to_fwd, _round_grad_to_bwd)

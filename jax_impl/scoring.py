@@ -163,7 +163,8 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
     chunk by chunk as the scan made them. `query_codes`: such a pair to score instead of the
     queries' own (each chunk takes its heads' slice).
 
-    q_latent and wq_b are in the compute dtype, keys as `scoring_keys` returns them (compute
+    q_latent is in the compute dtype, wq_b too or wide (`precision.project`: a wide wq_b's
+    gradient comes back wide, unrounded), keys as `scoring_keys` returns them (compute
     dtype or widened; wide x_hat with `cfg.index_quant`); hw [B, S, HI] is wide. The queries
     go through `scoring_queries` here, head chunk by head chunk. `vjp`:
     "custom" (the hand-written backward, always in the library) or "autodiff" (plain JAX
