@@ -38,7 +38,7 @@ from .config import resolve_dtype
 from .loss import kl_per_token, loss_keep, teacher_distribution
 from .validate import teacher_input_names
 from .pooling import compress_keys
-from .precision import round_grad_to, round_to
+from .precision import round_grad_to, round_to, widen
 from .scoring import (codes_dict, head_weights, imposed_codes, key_blocks, mask_scores, raw_scores, rows_validity,
                       scoring_keys, topk_indices)
 
@@ -119,7 +119,7 @@ def _setup(params, inputs, cfg, dtype_name):
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
     k_in, key_codes = scoring_keys(keys, cfg, wide, imposed_codes(inputs)[1])
-    return keys, k_in.astype(wide), key_blocks(pos, seg, cfg, x.shape[1]), key_codes
+    return keys, widen(k_in, wide), key_blocks(pos, seg, cfg, x.shape[1]), key_codes
 
 
 def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard=ONE_DEVICE, with_codes=False):
@@ -217,7 +217,7 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
     seq_len = inputs["position_ids"].shape[1]
     # The teacher inputs are rounded once, but teacher_query [B, S, H, D], only per block (the
     # block's window reads only the window rows its own rows need: loss.window_of_rows).
-    teacher = {n: jax.lax.stop_gradient(round_to(inputs[n], dtype).astype(wide))
+    teacher = {n: jax.lax.stop_gradient(widen(round_to(inputs[n], dtype), wide))
                for n in teacher_input_names(cfg) if n != "teacher_query"}
     teacher["teacher_kv"] = _apply(shard.gather_blocks, teacher["teacher_kv"])
     params = {**params, **{k: round_grad_to(params[k], dtype) for k in _QUERY_PARAMS}}
@@ -231,7 +231,7 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
         sel = None if selection is None else _take_rows(selection, rows)
         keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
         tq = _take_rows(inputs["teacher_query"], rows)
-        tq = jax.lax.stop_gradient(round_to(tq, dtype).astype(wide))
+        tq = jax.lax.stop_gradient(widen(round_to(tq, dtype), wide))
         t = jax.lax.stop_gradient(teacher_distribution({**teacher, "teacher_query": tq}, keep, valid_tok, cfg,
                                                        rows, inputs["segment_ids"], window, shard.sum_heads))
         kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)

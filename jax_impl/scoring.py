@@ -24,6 +24,7 @@ from .pooling import block_positions
 from .kernels import contribution as pallas_contribution
 from .kernels import default_tiles, live_tiles
 from .precision import project
+from .precision import widen as widen_to
 from .quant import quantize_for_scoring
 from .rope import apply_rope
 
@@ -184,10 +185,10 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
         def _head_contribution(q, keys, hw):  # noqa: F811
             return pallas_contribution(q, keys, hw, valid=live)
     else:
-        _head_contribution, keys_wide = CONTRIBUTIONS[vjp], keys.astype(wide)  # noqa: F811
+        _head_contribution, keys_wide = CONTRIBUTIONS[vjp], widen_to(keys, wide)  # noqa: F811
 
         def widen(a):
-            return a.astype(wide)
+            return widen_to(a, wide)
 
     codes = None
     if chunk == 0:
