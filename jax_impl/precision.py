@@ -91,11 +91,12 @@ def _project_wide_weight_fwd(a, w, wide):
 def _project_wide_weight_bwd(wide, res, g):
     # What autodiff of the compute-dtype form computes, except that dw is not cast to the
     # compute dtype: JAX's own transposes (which also sum over the mesh axes a shard_map
-    # replicates w along), of the product with the weight's exact widening. Its transpose
-    # contracts the widened cotangent with `a` as the compute-dtype form's does (which widens
-    # `a` for the mixed-dtype product).
+    # replicates w along) of the same product with both operands widened exactly (`widen`),
+    # so dw contracts the widened cotangent with the widened `a`, as the compute-dtype form's
+    # mixed-dtype transpose does.
     a, w_low = res
-    _, pullback = jax.vjp(lambda a, w: jnp.matmul(a, w, preferred_element_type=wide), a, w_low.astype(wide))
+    _, pullback = jax.vjp(lambda a, w: jnp.matmul(widen(a, wide), w, preferred_element_type=wide), a,
+                          widen(w_low, wide))
     return pullback(g.astype(wide))
 
 
