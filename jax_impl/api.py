@@ -25,7 +25,7 @@ import numpy as np
 from .config import CSAConfig, resolve_dtype
 from .loss import kl_loss, loss_keep, student_log_probs, teacher_distribution, teacher_inputs
 from .pooling import compress_keys, compress_parts
-from .precision import round_to
+from .precision import round_to, widen
 from . import kernels, query_blocks
 from .scoring import codes_dict, imposed_codes, queries, scoring_keys, scoring_queries, block_validity, head_contribution, head_weights, mask_scores, raw_scores, topk_indices
 from .validate import (FLOAT_INPUTS, INT_INPUTS, PARAM_NAMES, check_codes, check_inputs, check_params, check_selection,
@@ -227,7 +227,7 @@ def _stages_jit(params, inputs, selection, cfg, dtype_name):
     if cfg.scoring_backend == "pallas":  # the stage as the backend computes it
         scores = kernels.contribution(q_in, k_in, hw) * (cfg.index_head_dim**-0.5)
     else:
-        scores = score_stage(q_in.astype(wide), k_in.astype(wide), hw)
+        scores = score_stage(widen(q_in, wide), widen(k_in, wide), hw)
     valid = block_validity(pos, seg, cfg, x.shape[1])
     masked = mask_scores(scores, valid)
     topk = topk_indices(masked, valid, cfg.index_topk)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .precision import round_to
+from .precision import round_to, widen
 from .scoring import selection_mask
 from .validate import teacher_input_names
 
@@ -31,7 +31,7 @@ EPS = 1e-8
 def teacher_inputs(inputs, cfg, dtype, wide) -> dict:
     """The teacher inputs `cfg` uses, rounded to the compute dtype, widened and detached (they
     are activations and parameters of the main attention: nothing trains them here)."""
-    return {n: jax.lax.stop_gradient(round_to(inputs[n], dtype).astype(wide)) for n in teacher_input_names(cfg)}
+    return {n: jax.lax.stop_gradient(widen(round_to(inputs[n], dtype), wide)) for n in teacher_input_names(cfg)}
 
 
 class Window(NamedTuple):

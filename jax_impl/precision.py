@@ -22,6 +22,8 @@ normalisation widens through it.)
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -38,7 +40,90 @@ def round_to(x, dtype):
     return x.astype(dtype)
 
 
+def widen(x, wide):
+    """x (compute dtype) in the wide dtype, exactly, for a contraction in the wide dtype.
+
+    A float16 value's widening is followed by a `lax.reduce_precision` to float16's
+    mantissa (a no-op on the value), so that the contraction's operand is not a plain
+    convert: XLA:TPU folds a convert from float16 into the dot that consumes it and then
+    multiplies float16 operands, at precision "highest", to about 2^-16 relative (1.9e-5
+    measured on a v5e) instead of exactly as the float32 product of the widened values. Whether it folds depends on
+    the program: a convert outside a scan body reaches the dot inside it as a loop
+    parameter and is not folded, so the chunked and the native program computed the same
+    float16 scores and teacher logits differently (measured on a TPU v5e: 7.7e-6 of the
+    tiny case's scores and 1.3e-5 of its loss at query chunk 5). With the op in between,
+    both programs contract float32 operands. bfloat16 needs none: its products are exact
+    on the MXU whether the convert is folded or not."""
+    wide = jnp.dtype(wide)
+    if x.dtype == wide:
+        return x
+    y = x.astype(wide)
+    if x.dtype == jnp.dtype("float16"):
+        y = jax.lax.reduce_precision(y, exponent_bits=8, mantissa_bits=jnp.finfo(x.dtype).nmant)
+    return y
+
+
 def project(a, w, wide):
     """a @ w in the compute dtype of `a`: products summed in the wide dtype (float32 for
-    bfloat16/float16, as torch's CPU kernels and the TPU MXU do), rounded once to the dtype."""
+    bfloat16/float16, as torch's CPU kernels and the TPU MXU do), rounded once to the dtype.
+
+    `w` is in the compute dtype, or wide: then it is rounded to the compute dtype here (the
+    same product) and its gradient comes back wide and unrounded, the float32 sum of the
+    products that the compute-dtype form would round to bfloat16/float16 at once. That is
+    for a parameter that several blocks use (jax_impl.query_blocks): each block's gradient
+    stays wide, the blocks' are summed wide, and `round_grad_to` rounds the sum once, as
+    the one contraction over all rows is rounded once."""
+    if w.dtype != a.dtype:
+        return _project_wide_weight(a, w, jnp.dtype(wide))
     return round_to(jnp.matmul(a, w, preferred_element_type=wide), a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _project_wide_weight(a, w, wide):
+    return round_to(jnp.matmul(a, round_to(w, a.dtype), preferred_element_type=wide), a.dtype)
+
+
+def _project_wide_weight_fwd(a, w, wide):
+    w_low = round_to(w, a.dtype)
+    return round_to(jnp.matmul(a, w_low, preferred_element_type=wide), a.dtype), (a, w_low)
+
+
+def _project_wide_weight_bwd(wide, res, g):
+    # What autodiff of the compute-dtype form computes, except that dw is not cast to the
+    # compute dtype: JAX's own transposes (which also sum over the mesh axes a shard_map
+    # replicates w along) of the same product with both operands widened exactly (`widen`),
+    # so dw contracts the widened cotangent with the widened `a`, as the compute-dtype form's
+    # mixed-dtype transpose does.
+    a, w_low = res
+    _, pullback = jax.vjp(lambda a, w: jnp.matmul(widen(a, wide), w, preferred_element_type=wide), a,
+                          widen(w_low, wide))
+    return pullback(g.astype(wide))
+
+
+_project_wide_weight.defvjp(_project_wide_weight_fwd, _project_wide_weight_bwd)
+
+
+def round_grad_to(x, dtype):
+    """x itself, whose cotangent is rounded to `dtype` (`round_to`) and widened back: the one
+    rounding that a cast of the wide x to `dtype` gives its gradient, for an x whose uses
+    (`project` with a wide weight) return wide, unrounded gradients."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    return _round_grad_to(x, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _round_grad_to(x, dtype):
+    return x
+
+
+def _round_grad_to_fwd(x, dtype):
+    return x, None
+
+
+def _round_grad_to_bwd(dtype, _, g):
+    return (round_to(g, dtype).astype(g.dtype),)
+
+
+_round_grad_to.defvjp(_round_grad_to_fwd, _round_grad_to_bwd)

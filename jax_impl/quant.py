@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .precision import round_to
+from .precision import round_to, widen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def rotate(x, quant, wide):
         return x
     di = x.shape[-1]
     h = jnp.asarray(hadamard_matrix(di), wide)
-    return round_to(jnp.matmul(x.astype(wide), h) * (di**-0.5), x.dtype)
+    return round_to(jnp.matmul(widen(x, wide), h) * (di**-0.5), x.dtype)
 
 
 def _pow2_ceil(a):

@@ -38,7 +38,7 @@ from .config import resolve_dtype
 from .loss import kl_per_token, loss_keep, teacher_distribution
 from .validate import teacher_input_names
 from .pooling import compress_keys
-from .precision import round_to
+from .precision import round_grad_to, round_to, widen
 from .scoring import (codes_dict, head_weights, imposed_codes, key_blocks, mask_scores, raw_scores, rows_validity,
                       scoring_keys, topk_indices)
 
@@ -107,8 +107,9 @@ def _setup(params, inputs, cfg, dtype_name):
     The scan body closes over wide values only: the scan sums their cotangents over the
     blocks, so closing over a bfloat16 value (the keys, a parameter cast to the compute
     dtype) would add the blocks' gradients in bfloat16 (measured: 1.3e-2 of a bfloat16
-    gradient at r = 1, S = 40). The body casts the parameters it uses itself; the keys'
-    widening is exact and is what `raw_scores` does anyway."""
+    gradient at r = 1, S = 40). The body rounds the parameters it uses itself, inside their
+    projections (`_block_scores`); the keys' widening is exact and is what `raw_scores` does
+    anyway."""
     dtype, wide = resolve_dtype(dtype_name)
     p = {k: round_to(params[k], dtype) for k in KEY_PARAMS}
     # The indexer never trains the hidden states (the keys need every row of them).
@@ -118,7 +119,7 @@ def _setup(params, inputs, cfg, dtype_name):
         x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
     )
     k_in, key_codes = scoring_keys(keys, cfg, wide, imposed_codes(inputs)[1])
-    return keys, k_in.astype(wide), key_blocks(pos, seg, cfg, x.shape[1]), key_codes
+    return keys, widen(k_in, wide), key_blocks(pos, seg, cfg, x.shape[1]), key_codes
 
 
 def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard=ONE_DEVICE, with_codes=False):
@@ -126,7 +127,11 @@ def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard
     [B, r, W], top-k [B, r, k_eff], the rows [r]; with `with_codes`, then the queries' (codes,
     scales) of the rows, or None without quantization). params and keys wide."""
     dtype, wide = resolve_dtype(dtype_name)
-    p = {k: round_to(params[k], dtype) for k in _QUERY_PARAMS}
+    # The query parameters stay wide: `project` rounds them to the compute dtype and hands
+    # their gradient back wide and unrounded, so the scan sums the blocks' gradients wide and
+    # `rows_loss` rounds the sum once (`round_grad_to`), as the one contraction over every row
+    # of the unblocked path is rounded once.
+    p = {k: params[k] for k in _QUERY_PARAMS}
     seq_len = inputs["position_ids"].shape[1]
     rows = start + jnp.arange(r)
     row_ok = rows < seq_len  # False on the padding rows of the last block
@@ -212,9 +217,10 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
     seq_len = inputs["position_ids"].shape[1]
     # The teacher inputs are rounded once, but teacher_query [B, S, H, D], only per block (the
     # block's window reads only the window rows its own rows need: loss.window_of_rows).
-    teacher = {n: jax.lax.stop_gradient(round_to(inputs[n], dtype).astype(wide))
+    teacher = {n: jax.lax.stop_gradient(widen(round_to(inputs[n], dtype), wide))
                for n in teacher_input_names(cfg) if n != "teacher_query"}
     teacher["teacher_kv"] = _apply(shard.gather_blocks, teacher["teacher_kv"])
+    params = {**params, **{k: round_grad_to(params[k], dtype) for k in _QUERY_PARAMS}}
     window = None
     if shard.window is not None and "teacher_window_kv" in teacher:
         window = shard.window(teacher["teacher_window_kv"], inputs["segment_ids"])
@@ -225,7 +231,7 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
         sel = None if selection is None else _take_rows(selection, rows)
         keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
         tq = _take_rows(inputs["teacher_query"], rows)
-        tq = jax.lax.stop_gradient(round_to(tq, dtype).astype(wide))
+        tq = jax.lax.stop_gradient(widen(round_to(tq, dtype), wide))
         t = jax.lax.stop_gradient(teacher_distribution({**teacher, "teacher_query": tq}, keep, valid_tok, cfg,
                                                        rows, inputs["segment_ids"], window, shard.sum_heads))
         kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)

@@ -24,6 +24,7 @@ from .pooling import block_positions
 from .kernels import contribution as pallas_contribution
 from .kernels import default_tiles, live_tiles
 from .precision import project
+from .precision import widen as widen_to
 from .quant import quantize_for_scoring
 from .rope import apply_rope
 
@@ -163,7 +164,8 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
     chunk by chunk as the scan made them. `query_codes`: such a pair to score instead of the
     queries' own (each chunk takes its heads' slice).
 
-    q_latent and wq_b are in the compute dtype, keys as `scoring_keys` returns them (compute
+    q_latent is in the compute dtype, wq_b too or wide (`precision.project`: a wide wq_b's
+    gradient comes back wide, unrounded), keys as `scoring_keys` returns them (compute
     dtype or widened; wide x_hat with `cfg.index_quant`); hw [B, S, HI] is wide. The queries
     go through `scoring_queries` here, head chunk by head chunk. `vjp`:
     "custom" (the hand-written backward, always in the library) or "autodiff" (plain JAX
@@ -183,10 +185,10 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
         def _head_contribution(q, keys, hw):  # noqa: F811
             return pallas_contribution(q, keys, hw, valid=live)
     else:
-        _head_contribution, keys_wide = CONTRIBUTIONS[vjp], keys.astype(wide)  # noqa: F811
+        _head_contribution, keys_wide = CONTRIBUTIONS[vjp], widen_to(keys, wide)  # noqa: F811
 
         def widen(a):
-            return a.astype(wide)
+            return widen_to(a, wide)
 
     codes = None
     if chunk == 0:

@@ -80,7 +80,7 @@ from .api import prepare_arguments
 from .config import CSAConfig, resolve_dtype
 from .loss import Window, window_tokens
 from .pooling import compress_keys
-from .precision import round_to
+from .precision import round_to, widen
 from .query_blocks import KEY_PARAMS, Shard, block_rows, rows_forward, rows_loss
 from .scoring import key_blocks, scoring_keys
 from .validate import FLOAT_INPUTS, INDEXER_INPUTS, INT_INPUTS, PARAM_NAMES, input_shapes, param_shapes, \
@@ -280,7 +280,7 @@ def _device_keys(params, inputs, cfg, dtype_name, lay: Layout):
     halo = _pool_halo(lay) if lay.p > 1 else None
     keys = compress_keys(x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"],
                          cfg, wide, halo)
-    keys_wide = scoring_keys(keys, cfg, wide)[0].astype(wide)  # each block quantized on its own device
+    keys_wide = widen(scoring_keys(keys, cfg, wide)[0], wide)  # each block quantized on its own device
     blocks = key_blocks(pos, seg, cfg, x.shape[1])
     if lay.p > 1:
         with jax.named_scope("keys_gather"):

@@ -185,13 +185,17 @@ EXACT64 = 1e-12
 # Measured worst on random small problems (3 seeds, every chunk size of both knobs, dense
 # and sparse; after jax_impl/precision.round_to made every cast round exactly once):
 #   float32:  forward 2.4e-6, loss 1.9e-7, grad 5.1e-7
-#   bfloat16: forward 1.1e-6, loss 1.8e-7, grad 3.1e-3 (0.4 ulp(bf16))
-#   float16:  forward 8.7e-5, loss 7.7e-7, grad 5.5e-4 (0.6 ulp(f16))
+#   bfloat16: forward 1.1e-6, loss 2.0e-7, grad 1.6e-3 (0.21 ulp(bf16))
+#   float16:  forward 8.7e-5, loss 3.0e-7, grad 5.9e-4 (0.6 ulp(f16))
 # Query chunks (same bound) r = 16 and 21 on S = 64, same problems:
 #   float32:  forward 6.2e-7, loss 3.8e-7, grad 4.8e-7
-#   bfloat16: forward 0,      loss 4.4e-7, grad 4.4e-3 (0.57 ulp(bf16): each block's wq_b /
-#             weights_proj gradient is rounded at its bfloat16 cast, tests/test_query_chunk.py)
-#   float16:  forward 0,      loss 3.8e-7, grad 6.4e-4 (0.65 ulp(f16))
+#   bfloat16: forward 0,      loss 3.0e-7, grad 1.6e-3 (0.21 ulp(bf16))
+#   float16:  forward 0,      loss 3.0e-7, grad 4.8e-4 (0.49 ulp(f16))
+# Every parameter's gradient is summed over the query blocks in float32 and rounded to the
+# compute dtype once, as the native contraction's is (jax_impl.precision.project with a wide
+# weight, round_grad_to; tests/test_query_chunk.py): rounding each block's wq_b / weights_proj
+# gradient at its own cast gave 4.4e-3 (bfloat16) and 6.4e-4 (float16) here, and 0.80 of the
+# bound on the default sample's window_one bfloat16 i2/t2/q10 wq_b (0.003 once rounded once).
 # (float16 forward stays above bfloat16's: a one-ulp f16 flip of q, from a different
 # float32 FMA contraction of the RoPE products in the narrower program, moves a score by
 # 2^-11 relative; bfloat16 flips are 8x rarer at the same f32 noise.)

@@ -287,6 +287,23 @@ def test_query_chunks_walk_the_local_rows():
     assert 7 in lengths and 13 not in lengths and set(lengths) <= {2, 7}, lengths
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_query_blocks_on_a_mesh(dtype):
+    """Query blocks in a compute dtype below float32 on a 2x2x2 mesh: the blocked path hands its
+    query parameters to their projections wide, with their own VJP (jax_impl.precision.project),
+    and that VJP sums over the mesh axes the weights are replicated along as autodiff does, so
+    the gradients come back like one device's, within the chunk bound. Measured (small, head
+    chunks 1, query chunk 5, dense): bfloat16 worst 3.7e-3 (kv_norm), float16 5.5e-4 (wgate).
+    The matrix has no such point (its sharded points are float32 and float64); ~10 s."""
+    fx, mesh = _fixture("small"), _mesh((2, 2, 2))
+    cfg = dataclasses.replace(_cfg("small", 1), query_chunk=5)
+    loss, grads = sharded.sharded_loss_and_grads(fx.params, fx.inputs, cfg, dtype, mesh)[:2]
+    ref_loss, ref_grads = jax_impl.indexer_loss_and_grads(fx.params, fx.inputs, cfg, dtype)[:2]
+    results = [_single_check("loss", to_numpy(loss), to_numpy(ref_loss), dtype)]
+    results += [_single_check(f"grad.{p}", to_numpy(grads[p]), to_numpy(ref_grads[p]), dtype) for p in PARAMS]
+    _assert_all(results, f"{dtype} query blocks on a 2x2x2 mesh")
+
+
 # --------------------------------------------------------------------------- errors
 
 
