@@ -173,3 +173,29 @@ def test_the_reproducer_reports_a_failure(monkeypatch):
     report = check_problem(PINNED["no_blocks"])
     assert not report.passed
     assert f"reproduce: {PINNED['no_blocks'].repro()}" in report.summary()
+
+
+def test_a_problem_stops_at_the_first_stage_where_a_named_check_failed(monkeypatch):
+    """check_problem(stop_on=...), what a mutation test runs: once a named check has failed, the
+    later stages (float64 chunked, the low dtype) are skipped, and the report says so. The
+    judge's float64 keys check is broken on purpose; one JAX run (float64 native) is all it costs."""
+    import harness.problems.random_configs as rc
+
+    real_compare, real_run, runs = rc.compare_close, rc._run, []
+
+    def broken(check, quantity, x, ref, bound, *a, **k):
+        r = real_compare(check, quantity, x, ref, bound, *a, **k)
+        return r if quantity != "compressed_keys" else type(r)(r.check, r.quantity, "failed", 1.0, bound)
+
+    def counted(side, *a, **k):
+        runs.append((side.__name__, a[3]))
+        return real_run(side, *a, **k)
+
+    monkeypatch.setattr(rc, "compare_close", broken)
+    monkeypatch.setattr(rc, "_run", counted)
+    problem = PINNED["composite_chunks_w1"]
+    assert problem.chunked and problem.dtype != "float64"  # three more stages would follow
+    report = check_problem(problem, stop_on=("exact64",))
+    assert runs == [("torch_ref", "float64"), ("jax_impl", "float64")]
+    assert {r.check for r in report.failed} == {"exact64"}
+    assert report.notes[-1] == "stopped after float64 native: exact64 failed (stop_on), later stages skipped"

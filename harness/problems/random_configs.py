@@ -41,7 +41,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -177,8 +177,13 @@ def _same_sets(a: np.ndarray, b: np.ndarray) -> bool:
 LOSS_QUANTITIES = ("loss", *(f"grad.{n}" for n in PARAM_NAMES))
 
 
-def check_problem(problem: Problem) -> Report:
-    """Every check of one problem (see the module doc). Never raises on a mismatch."""
+def check_problem(problem: Problem, stop_on: Collection[str] = ()) -> Report:
+    """Every check of one problem (see the module doc). Never raises on a mismatch.
+
+    `stop_on`: check names (a mutant's expected kill, harness.selftest.mutations). Once one of
+    them has failed, the later stages (float64 chunked, then the low dtype) are skipped and the
+    report says so: the verdict a mutation test needs is then known, and each skipped stage is
+    one or two compiled programs."""
     import jax_impl
     import torch_ref
 
@@ -213,12 +218,20 @@ def check_problem(problem: Problem) -> Report:
         add(compare_close("exact64", q, judged[q], t64[q], tolerance.EXACT64), f"float64 {mode}")
     add(exactly_zero("input_grads", judged["input_grads"]), f"float64 {mode}")
 
+    def stopped(stage: str) -> bool:
+        hit = sorted({r.check for r in report.failed if r.check in stop_on})
+        if hit:
+            report.notes.append(f"stopped after {stage}: {', '.join(hit)} failed (stop_on), later stages skipped")
+        return bool(hit)
+
     knobs = {k: problem.config[k] for k in CHUNK_KNOBS if k in problem.config}
+    if stopped("float64 native"):
+        return report
     if problem.chunked:
         _chunk_checks(add, report, jax_impl, params, inputs, problem, "float64", j64, t64, knobs, mode)
 
     # ---- the low dtype: chunked vs native at the tight chunk bound
-    if problem.dtype != "float64" and problem.chunked:
+    if problem.dtype != "float64" and problem.chunked and not stopped("float64 chunked"):
         jt = _run(jax_impl, params, inputs, native_cfg, problem.dtype)
         add(exactly_zero("input_grads", jt["input_grads"]), f"{problem.dtype} {mode}")
         _chunk_checks(add, report, jax_impl, params, inputs, problem, problem.dtype, jt, t64, knobs, mode)

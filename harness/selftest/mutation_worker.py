@@ -3,7 +3,7 @@
 JSON report.
 
     python -m harness.selftest.mutation_worker --impl-root DIR [--point case:dtype:ichunk:tchunk ...]
-                                      [--problem PINNED_NAME ...] [--memory] [--kernel]
+                                      [--problem PINNED_NAME ...] [--memory] [--kernel] [--stop-on CHECK ...]
 
 (`run()` is the same in a function: harness.selftest.mutations calls it in a child forked from a
 server that has already imported jax, which saves ~2 s of imports per mutant.)
@@ -15,7 +15,7 @@ package's own __path__, and the worker refuses to run (exit 3) unless every load
 jax_impl module comes from DIR.
 
 The last stdout line is JSON: {"jax_impl_file", "checks", "failed": [{"check",
-"quantity", "context", "message"}], "killing": [check names], "error"}. A crash of the
+"quantity", "context", "message"}], "killing": [check names], "error", "stopped_early"}. A crash of the
 code under test (an exception while evaluating) is a failed check named "crash".
 """
 
@@ -109,8 +109,10 @@ class ForeignImport(RuntimeError):
 
 
 def run(impl_root: str, points=(), memory: bool = False, reference: str = "goldens",
-        cache_dir: str | None = None, problems=(), kernel: bool = False) -> dict:
+        cache_dir: str | None = None, problems=(), kernel: bool = False, stop_on=()) -> dict:
     """Import jax_impl from impl_root, run the slice, return the report (see the module doc).
+    `stop_on`: check names; a pinned problem stops at the first of its stages where one of them
+    failed (harness.problems.random_configs.check_problem), and the slice's later parts are skipped.
 
     Must run in a process that has not imported jax_impl yet (a fresh interpreter, or a
     child forked from one that preloaded only jax, numpy and the harness)."""
@@ -149,7 +151,13 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
     from ..run.collect import evaluate
 
     failed, checks, error = [], 0, ""
+
+    def stopped() -> bool:
+        return any(f["check"] in stop_on for f in failed)
+
     for spec in points:
+        if stopped():
+            break
         p = Point.parse(spec) if isinstance(spec, str) else spec
         try:
             for entry in entries_at(p):  # every mode and quantity of the point, as the matrix has them
@@ -161,17 +169,19 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
             failed.append({"check": "crash", "quantity": "-", "context": p.spec(), "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
     for name in problems:  # pinned random problems (harness.problems.random_configs), live against torch
+        if stopped():
+            break
         try:
             from ..problems.random_configs import PINNED, check_problem
 
-            results = check_problem(PINNED[name]).results
+            results = check_problem(PINNED[name], stop_on=stop_on).results
             checks += len(results)
             failed.extend(_failure(r) for r in results if not r.passed)
         except Exception as exc:
             error = f"problem {name}: {type(exc).__name__}: {exc}"
             failed.append({"check": "crash", "quantity": "-", "context": f"problem {name}", "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
-    if kernel:  # the Pallas kernels against the XLA path, partial tiles (harness.sides.kernel_check)
+    if kernel and not stopped():  # the Pallas kernels against the XLA path, partial tiles (harness.sides.kernel_check)
         try:
             from ..sides.kernel_check import kernel_check
 
@@ -182,7 +192,7 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
             error = f"kernel: {type(exc).__name__}: {exc}"
             failed.append({"check": "crash", "quantity": "-", "context": "kernel", "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
-    if memory:
+    if memory and not stopped():
         try:
             r = memory_check()
             checks += 1
@@ -203,6 +213,7 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
         "failed": failed,
         "killing": sorted({f["check"] for f in failed}),
         "error": error,
+        "stopped_early": stopped(),
     }
 
 
@@ -227,10 +238,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", action="store_true", help="run the Pallas kernel check (harness.sides.kernel_check)")
     ap.add_argument("--reference", default="goldens", choices=["goldens", "live"])
     ap.add_argument("--cache-dir", help="JAX persistent compilation cache shared by workers (optional)")
+    ap.add_argument("--stop-on", action="append", default=[], metavar="CHECK",
+                    help="stop the slice once this check has failed (repeatable; a mutant's expected kill)")
     args = ap.parse_args(argv)
     try:
         report = run(args.impl_root, args.point, args.memory, args.reference, args.cache_dir, args.problem,
-                     args.kernel)
+                     args.kernel, tuple(args.stop_on))
     except ForeignImport as exc:
         print(f"mutation worker: {exc}", file=sys.stderr)
         return 3

@@ -726,7 +726,7 @@ def default_method() -> str:
 
 
 def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=(),
-                kernel: bool = False) -> dict:
+                kernel: bool = False, stop_on=()) -> dict:
     import multiprocessing
 
     from .mutation_worker import forked
@@ -735,7 +735,8 @@ def _run_forked(impl_root: Path, points, memory: bool, cache_dir, timeout: float
     ctx.set_forkserver_preload(list(PRELOAD))  # used when the server starts (first call)
     parent, child = ctx.Pipe(duplex=False)
     kwargs = dict(impl_root=str(impl_root), points=[p.spec() for p in points], memory=memory,
-                  cache_dir=str(cache_dir) if cache_dir else None, problems=list(problems), kernel=kernel)
+                  cache_dir=str(cache_dir) if cache_dir else None, problems=list(problems), kernel=kernel,
+                  stop_on=list(stop_on))
     proc = ctx.Process(target=forked, args=(child, kwargs), daemon=True)
     proc.start()
     child.close()
@@ -769,7 +770,7 @@ def stop_forkserver() -> None:
 
 
 def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=(),
-                    kernel: bool = False) -> dict:
+                    kernel: bool = False, stop_on=()) -> dict:
     cmd = [sys.executable, "-m", "harness.selftest.mutation_worker", "--impl-root", str(impl_root)]
     for p in points:
         cmd += ["--point", p.spec()]
@@ -779,6 +780,8 @@ def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: f
         cmd.append("--memory")
     if kernel:
         cmd.append("--kernel")
+    for check in stop_on:
+        cmd += ["--stop-on", check]
     if cache_dir:
         cmd += ["--cache-dir", str(cache_dir)]
     env = dict(os.environ, JAX_ENABLE_X64="1")
@@ -792,15 +795,16 @@ def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: f
 
 def run_worker(impl_root: Path, points, memory: bool, cache_dir: str | os.PathLike | None = None,
                timeout: float = 600.0, method: str | None = None, problems: tuple[str, ...] = (),
-               kernel: bool = False) -> dict:
+               kernel: bool = False, stop_on=()) -> dict:
     """Run the worker (harness/selftest/mutation_worker.py) on the jax_impl copy under impl_root in a
     process of its own; its report. `cache_dir`: a JAX persistent compilation cache shared
-    by the workers of one run. `method`: `forkserver` or `subprocess` (default_method())."""
+    by the workers of one run. `method`: `forkserver` or `subprocess` (default_method()).
+    `stop_on`: check names at whose first failure the slice stops (mutation_worker.run)."""
     method = method or default_method()
     if method == "forkserver":
-        report = _run_forked(Path(impl_root), points, memory, cache_dir, timeout, problems, kernel)
+        report = _run_forked(Path(impl_root), points, memory, cache_dir, timeout, problems, kernel, stop_on)
     elif method == "subprocess":
-        report = _run_subprocess(Path(impl_root), points, memory, cache_dir, timeout, problems, kernel)
+        report = _run_subprocess(Path(impl_root), points, memory, cache_dir, timeout, problems, kernel, stop_on)
     else:
         raise ValueError(f"method={method!r} is not supported (valid: forkserver, subprocess)")
     imported = os.path.realpath(report["jax_impl_file"])
@@ -816,13 +820,17 @@ def _outcome(name: str, report: dict, seconds: float) -> Outcome:
                    report.get("cpu_s", 0.0), report.get("error", ""))
 
 
-def run_mutant(mutant: Mutant, cache_dir=None, method: str | None = None) -> Outcome:
-    """Apply the mutant to a temporary copy of jax_impl and run its slice there."""
+def run_mutant(mutant: Mutant, cache_dir=None, method: str | None = None, stop_at_kill: bool = False) -> Outcome:
+    """Apply the mutant to a temporary copy of jax_impl and run its slice there. `stop_at_kill`:
+    stop the slice once one of the mutant's expected checks (`killed_by`) has failed, which
+    settles what its test asserts (killed, and for the expected reason) without the slice's
+    later stages; the kill table runs the whole slice, to show every check that kills."""
     start = time.time()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         patch_copy(mutant, Path(tmp))
         report = run_worker(Path(tmp), mutant.points, mutant.memory, cache_dir, method=method,
-                            problems=mutant.problems, kernel=mutant.kernel)
+                            problems=mutant.problems, kernel=mutant.kernel,
+                            stop_on=mutant.killed_by if stop_at_kill else ())
     return _outcome(mutant.name, report, time.time() - start)
 
 
