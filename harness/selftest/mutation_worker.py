@@ -111,8 +111,9 @@ class ForeignImport(RuntimeError):
 def run(impl_root: str, points=(), memory: bool = False, reference: str = "goldens",
         cache_dir: str | None = None, problems=(), kernel: bool = False, stop_on=()) -> dict:
     """Import jax_impl from impl_root, run the slice, return the report (see the module doc).
-    `stop_on`: check names; a pinned problem stops at the first of its stages where one of them
-    failed (harness.problems.random_configs.check_problem), and the slice's later parts are skipped.
+    `stop_on`: check names; once one of them has failed, the slice's later parts are skipped, and
+    a pinned problem (harness.problems.random_configs.check_problem) and the kernel check
+    (harness.sides.kernel_check) skip their later stages.
 
     Must run in a process that has not imported jax_impl yet (a fresh interpreter, or a
     child forked from one that preloaded only jax, numpy and the harness)."""
@@ -185,7 +186,7 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
         try:
             from ..sides.kernel_check import kernel_check
 
-            results = kernel_check()
+            results = kernel_check(stop_on)
             checks += len(results)
             failed.extend(_failure(r) for r in results if r.failed)
         except Exception as exc:
