@@ -80,7 +80,7 @@ def project(a, w, wide):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _project_wide_weight(a, w, wide):
-    return round_to(jnp.matmul(a, round_to(w, a.dtype), preferred_element_type=wide), a.dtype)
+    return _project_wide_weight_fwd(a, w, wide)[0]
 
 
 def _project_wide_weight_fwd(a, w, wide):
