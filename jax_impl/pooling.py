@@ -70,8 +70,10 @@ def compress_parts(x, position_ids, wkv, wgate, ape, kv_norm, cfg, wide, halo=No
     w = cfg.num_blocks(s)
     u = w * m
     x = x[:, :u]
-    kv = project(x, wkv, wide).reshape(b, w, m, 2 * di)
-    gate = project(x, wgate, wide).reshape(b, w, m, 2 * di)
+    # The keys' cotangent sums every head and query block: their weights' gradients keep its
+    # float32 bits whatever the matmul precision (`project`'s exact_weight_grad).
+    kv = project(x, wkv, wide, exact_weight_grad=True).reshape(b, w, m, 2 * di)
+    gate = project(x, wgate, wide, exact_weight_grad=True).reshape(b, w, m, 2 * di)
     gate = round_to(gate.astype(wide) + ape.astype(wide), x.dtype)  # the add in the compute dtype
     kv_a, kv_b = kv[..., :di], kv[..., di:]
     gate_a, gate_b = gate[..., :di].astype(wide), gate[..., di:].astype(wide)

@@ -63,6 +63,8 @@ HOW = {
     "csa-parity run --sample tpu --jobs 1": LIST,
     "csa-parity run --sample tpu --reference goldens": LIST,
     "csa-parity run --sample tpu --reference goldens --precision default": LIST,
+    "csa-parity run --sample tpu --reference goldens --backends xla,pallas": LIST,
+    "csa-parity run --sample tpu --backends xla,pallas": LIST,
     "PYTHONPATH=tests csa-parity run --cases tiny --dtypes float32 --ichunks 0,2 --tchunks 0 --qchunks 0 "
     "--modes forward --impl plugins.wrong_at_one_point:make_impl": LIST,
     "PYTHONPATH=tests csa-parity run --impl plugins.quantizer_stage --cases quant_planted,quant_v4": LIST,

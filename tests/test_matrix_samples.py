@@ -35,15 +35,22 @@ def test_ci_is_a_subset_of_default_and_default_of_full():
 def test_the_tpu_sample_covers_every_case_dtype_axis_and_teacher():
     """harness.problems.matrix.TPU_DTYPES: every case natively, float32, bfloat16 and float16 (no
     float64: not applicable on a TPU), both teachers in each of those dtypes, every chunk axis
-    against a native point of its own dtype, the xla backend only; 43 compiled programs (what one
-    chip compiles and runs inside one 10-minute command: 112 s measured, docs/platforms.md)."""
-    from harness.problems.matrix import TPU_DTYPES, programs_at
+    against a native point of its own dtype; 43 compiled programs (what one chip compiles and
+    runs inside one 10-minute command: 112 s measured, docs/platforms.md). With the pallas
+    backend asked for, the kernels at every joint-teacher xla point of float32 and bfloat16."""
+    from harness.problems.matrix import TPU_DTYPES, TPU_PALLAS_DTYPES, programs_at
 
-    points = {e.point for e in build_matrix(sample="tpu", backends=["xla", "pallas"])}
+    both = {e.point for e in build_matrix(sample="tpu", backends=["xla", "pallas"])}
+    points = {p for p in both if p.backend == "xla"}
+    assert points == {e.point for e in build_matrix(sample="tpu")}
+    pallas = {p for p in both if p.backend == "pallas"}
+    assert {(p.case, p.dtype, p.ichunk, p.tchunk, p.qchunk) for p in pallas} == {
+        (p.case, p.dtype, p.ichunk, p.tchunk, p.qchunk) for p in points
+        if p.teacher == "joint" and p.dtype in TPU_PALLAS_DTYPES}
+    assert {p.teacher for p in pallas} == {"joint"} and any(p.chunked for p in pallas)
     assert {p.case for p in points if not p.chunked} == set(CASES)
     assert {p.dtype for p in points} == set(TPU_DTYPES) == {"float32", "bfloat16", "float16"}
     assert {(p.dtype, p.teacher) for p in points} == {(d, t) for d in TPU_DTYPES for t in ("joint", "compressed")}
-    assert {p.backend for p in points} == {"xla"}
     chunked = [p for p in points if p.chunked]
     assert all(p.native in points for p in chunked)
     assert any(p.ichunk and not p.tchunk for p in chunked) and any(p.tchunk and not p.ichunk for p in chunked)

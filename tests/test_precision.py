@@ -1,5 +1,5 @@
 """jax_impl.precision's rounding points beyond `round_to` (SPEC section 2): `project` with a wide
-weight, `round_grad_to`, and `widen`. Cheap: small arrays, a few compiled programs (~2 s).
+weight, `round_grad_to`, `widen`, and `project`'s exact_weight_grad. Cheap: small arrays, a few compiled programs (~2 s).
 
 - `project(a, w)` with a wide `w` computes what it computes with `round_to(w, a.dtype)`, bit for
   bit, and hands w's gradient back wide and unrounded; `round_grad_to` then rounds it once, to
@@ -12,6 +12,8 @@ weight, `round_grad_to`, and `widen`. Cheap: small arrays, a few compiled progra
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -96,3 +98,34 @@ def test_widened_float16_contraction_is_exact_on_tpu_at_highest():
     with jax.default_matmul_precision("highest"):
         got = np.asarray(jax.jit(lambda a, b: widen(a, jnp.float32) @ widen(b, jnp.float32))(a, b), np.float64)
     assert np.max(np.abs(got - exact)) <= 2.0**-22 * np.max(np.abs(exact))
+
+
+def _dot_precisions(fn, *args) -> list[tuple[str, str]]:
+    """(precision, result type) of every dot_general in fn's lowered program."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return re.findall(r"stablehlo\.dot_general .*precision = \[(\w+), \1\] : .* -> (tensor<[^>]*>)", text)
+
+
+def test_project_exact_weight_grad_contracts_the_weight_gradient_at_highest_and_nothing_else():
+    """The forward product and a's gradient at the default precision, w's gradient (the [12, 16]
+    product) at HIGHEST; the same numbers wherever the precision does not narrow float32 (here)."""
+    a, w, ct = _problem("float32")
+
+    def step(exact):
+        return jax.value_and_grad(lambda a, w: jnp.sum(project(a, w, jnp.float32, exact_weight_grad=exact) * ct),
+                                  argnums=(0, 1))
+
+    with jax.default_matmul_precision("default"):
+        assert sorted(_dot_precisions(step(True), a, w)) == [
+            ("DEFAULT", "tensor<2x24x12xf32>"), ("DEFAULT", "tensor<2x24x16xf32>"), ("HIGHEST", "tensor<12x16xf32>")]
+        assert {p for p, _ in _dot_precisions(step(False), a, w)} == {"DEFAULT"}
+        got, plain = jax.jit(step(True))(a, w), jax.jit(step(False))(a, w)
+    if jax.default_backend() == "cpu":  # XLA:CPU multiplies float32 operands whole at every precision
+        for g, p in zip(jax.tree.leaves(got), jax.tree.leaves(plain)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(p))
+    # A compute dtype narrower than the wide one keeps its own rounding: the flag needs a wide `a`.
+    a16, w16 = round_to(a, "bfloat16"), round_to(w, "bfloat16")
+    with jax.default_matmul_precision("default"):
+        low = _dot_precisions(jax.grad(lambda w: jnp.sum(
+            project(a16, w, jnp.float32, exact_weight_grad=True).astype(jnp.float32))), w16)
+    assert low and {p for p, _ in low} == {"DEFAULT"}, low

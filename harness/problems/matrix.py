@@ -259,8 +259,8 @@ def pallas_points(case: str, dtype: str, sample: str = "default") -> list[tuple[
     combined = (*combined_pair(case), query_chunk_sizes(CASES[case].seq_len)[1])
     if sample == "full":
         return chunk_points(case, dtype, "default")
-    if sample == "tpu":  # the kernels on a TPU are another sample's (the xla path's alone here)
-        return []
+    if sample == "tpu":
+        return tpu_pallas_points(case, dtype)
     if sample == "ci":
         kind = PALLAS_CI.get((case, dtype))
         return [] if kind is None else [(0, 0, 0) if kind == "native" else combined]
@@ -270,6 +270,17 @@ def pallas_points(case: str, dtype: str, sample: str = "default") -> list[tuple[
     if case in SWEEP_CASES and dtype in ("float32", "bfloat16"):
         points.append(combined)
     return sorted(set(points))
+
+
+# The tpu sample's pallas points (`--sample tpu --backends xla,pallas`): the kernels compiled by
+# Mosaic on the chip, at every joint-teacher point of the xla sample in float32 and bfloat16 (the
+# dtypes the kernels take on a TPU, jax_impl/kernels), chunk axes included, each judged against
+# the oracle and against the xla point at the same knobs.
+TPU_PALLAS_DTYPES = ("float32", "bfloat16")
+
+
+def tpu_pallas_points(case: str, dtype: str) -> list[tuple[int, int, int]]:
+    return tpu_points(case, dtype, "joint") if dtype in TPU_PALLAS_DTYPES else []
 
 
 def programs_at(point: Point) -> int:
