@@ -361,6 +361,21 @@ class Policy:
     def backend_bound(self, dtype: str, quantity: str) -> float:
         return backend_bound(dtype, quantity)
 
+    def backend_check_not_applicable(self, dtype: str) -> str | None:
+        """Why a scoring backend cannot be held to the XLA path at `dtype` under this precision on
+        this device (the `xla` checks), else None. The kernels name every dot's precision (float32
+        operands at HIGHEST, jax_impl/kernels); where this precision rounds the XLA path's float32
+        operands (a TPU at `default`: one bfloat16 pass), the two compute other products, so the
+        BACKEND bound, a summation-order bound, does not apply. Compare them at `highest`."""
+        from ..platforms import float32_operand_bits
+
+        bits = float32_operand_bits(self.backend, self.profile)
+        if dtype != "float32" or bits >= 23:
+            return None
+        return (f"not applicable at matmul precision {self.profile!r} on {self.backend}: the XLA path multiplies "
+                f"float32 operands rounded to {bits} mantissa bits there, the Pallas kernels at HIGHEST; "
+                "compare the backends at --precision highest")
+
     @property
     def exact64(self) -> float:
         return EXACT64

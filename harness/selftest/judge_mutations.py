@@ -187,6 +187,15 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "a pallas point judged against the XLA path at the looser CHUNK bound (10x in float32's forward)",
     ),
     HarnessMutant(
+        "backend_check_never_applies", "bound", "judging/tolerance.py",
+        '        if dtype != "float32" or bits >= 23:',
+        '        if dtype != "float32":',
+        _rules("test_the_xla_check_is_not_applicable_where_the_precision_rounds_the_xla_paths_float32"),
+        "xla not applicable",
+        "every float32 pallas point's comparison with the XLA path reported not applicable, on a CPU "
+        "and at highest too: the kernels never held to the XLA path in float32",
+    ),
+    HarnessMutant(
         "stage_alpha_of_gradients", "bound", "judging/judge.py",
         'base, policy.alpha("compressed_keys"),',
         'base, policy.alpha("grad.stage"),',
