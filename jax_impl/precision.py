@@ -72,8 +72,8 @@ def project(a, w, wide, exact_weight_grad: bool = False):
     all of its float32 bits. For a product whose cotangent is a float32 sum over the chunks
     (the compressor's: the keys' cotangent sums every head and query block), whose last bits
     depend on the chunking: at JAX's default precision XLA:TPU can round a float32 dot's
-    operands to bfloat16 (one pass), and a last-bit difference of the cotangent then moves w's gradient by a
-    bfloat16 rounding (measured on a TPU v5e at default: the small case's wkv gradient 4.15e-6
+    operands to bfloat16 (one pass), and a last-bit difference of the cotangent then moves
+    w's gradient by a bfloat16 rounding (measured on a TPU v5e at default: the small case's wkv gradient 4.15e-6
     apart between head chunk 1 and native, against CHUNK's 4e-6; 1.04e-7 with this). Off a
     TPU, and at "highest", the product is the same; the forward product and a's gradient keep
     the default precision.

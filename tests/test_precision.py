@@ -1,10 +1,14 @@
 """jax_impl.precision's rounding points beyond `round_to` (SPEC section 2): `project` with a wide
-weight, `round_grad_to`, `widen`, and `project`'s exact_weight_grad. Cheap: small arrays, a few compiled programs (~2 s).
+weight, `round_grad_to`, `widen`, and `project`'s exact_weight_grad. Cheap: small arrays, a few
+compiled programs (~2 s).
 
 - `project(a, w)` with a wide `w` computes what it computes with `round_to(w, a.dtype)`, bit for
   bit, and hands w's gradient back wide and unrounded; `round_grad_to` then rounds it once, to
   what autodiff of the compute-dtype form gives. That is how the query-blocked path sums the
   blocks' parameter gradients in float32 and rounds the sum once (tests/test_query_chunk.py).
+- `project(a, w, exact_weight_grad=True)` with a wide `a` contracts w's gradient at HIGHEST and
+  nothing else: a TPU at default precision may round a float32 dot's operands to bfloat16, and
+  the compressor's weight gradients must keep the keys' cotangent, a sum over the chunks, whole.
 - `widen` is exact and, for float16, puts a reduce-precision between the convert and the
   contraction (in the compiled program, not only in the jaxpr); on a TPU that keeps a float16
   contraction exact at precision "highest" (measured on a v5e: 1.9e-5 relative with the plain
