@@ -73,10 +73,10 @@ def project(a, w, wide, exact_weight_grad: bool = False):
     (the compressor's: the keys' cotangent sums every head and query block), whose last bits
     depend on the chunking: at JAX's default precision XLA:TPU can round a float32 dot's
     operands to bfloat16 (one pass), and a last-bit difference of the cotangent then moves
-    w's gradient by a bfloat16 rounding (measured on a TPU v5e at default: the small case's wkv gradient 4.15e-6
-    apart between head chunk 1 and native, against CHUNK's 4e-6; 1.04e-7 with this). Off a
-    TPU, and at "highest", the product is the same; the forward product and a's gradient keep
-    the default precision.
+    w's gradient by a bfloat16 rounding (measured on a TPU v5e at default, the small case's wkv
+    gradient between head chunk 1 and native: 4.15e-6 with the plain product, against CHUNK's
+    4e-6; 1.04e-7 with this one). Off a TPU, and at "highest", the product is the same; the
+    forward product and a's gradient keep the default precision.
 
     `w` is in the compute dtype, or wide: then it is rounded to the compute dtype here (the
     same product) and its gradient comes back wide and unrounded, the float32 sum of the
@@ -118,7 +118,7 @@ _project_wide_weight.defvjp(_project_wide_weight_fwd, _project_wide_weight_bwd)
 
 @jax.custom_vjp
 def _project_exact_weight_grad(a, w):
-    return jnp.matmul(a, w)
+    return _project_exact_weight_grad_fwd(a, w)[0]
 
 
 def _project_exact_weight_grad_fwd(a, w):

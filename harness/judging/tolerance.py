@@ -367,14 +367,14 @@ class Policy:
         operands at HIGHEST, jax_impl/kernels); where this precision rounds the XLA path's float32
         operands (a TPU at `default`: one bfloat16 pass), the two compute other products, so the
         BACKEND bound, a summation-order bound, does not apply. Compare them at `highest`."""
-        from ..platforms import float32_operand_bits
+        from ..platforms import float32_operand_bits, not_applicable_label
 
         bits = float32_operand_bits(self.backend, self.profile)
         if dtype != "float32" or bits >= 23:
             return None
-        return (f"not applicable at matmul precision {self.profile!r} on {self.backend}: the XLA path multiplies "
-                f"float32 operands rounded to {bits} mantissa bits there, the Pallas kernels at HIGHEST; "
-                "compare the backends at --precision highest")
+        return not_applicable_label(self.backend, f"at matmul precision {self.profile!r} the XLA path multiplies "
+                                    f"float32 operands rounded to {bits} mantissa bits, the Pallas kernels at "
+                                    "HIGHEST; compare the backends at --precision highest")
 
     @property
     def exact64(self) -> float:
