@@ -60,6 +60,8 @@ HOW = {
     "csa-parity run --teachers compressed": LIST,
     "csa-parity run --cache-dir /tmp/c": LIST,
     "csa-parity run --profile": LIST,
+    "csa-parity run --sample default --reference goldens --dtypes float32,bfloat16,float16 "
+    "--cases quant_v4,quant_packed --jobs 1": LIST,
     "csa-parity run --sample tpu --jobs 1": LIST,
     "csa-parity run --sample tpu --reference goldens": LIST,
     "csa-parity run --sample tpu --reference goldens --precision default": LIST,
