@@ -144,7 +144,7 @@ def stage_programs(seq: int, rows: int | None, dtype=jnp.bfloat16, tiles=None, i
 
     def pallas(q, keys, hw, start):
         n = q.shape[1]
-        live = live_tiles_by_rows(lambda r: causal_rows(start + r, w), n, w, tiles or default_tiles(n, w))
+        live = live_tiles_by_rows(lambda r: causal_rows(start + r, w), n, w, tiles or default_tiles(n, w, q.dtype))
         return contribution(q, keys, hw, valid=live) * scale
 
     def fwd_bwd(f):

@@ -90,7 +90,10 @@ HOW = {
     "python -m benchmarks.memory_speed --s 8192 --no-time": HELP,
     "python -m benchmarks.memory_speed --window-only": HELP,
     "python -m benchmarks.teacher_gap": HELP,
+    "python -m benchmarks.forward_forms": HELP,
     "python -m benchmarks.tpu_speed": HELP,
+    "python -m benchmarks.tpu_speed --only stage --seqs 8192 --variants 256x256u16,256x256u64,512x256u8,512x256u16":
+        HELP,
     "python -m benchmarks.tpu_speed --seqs 8192 --variants 256x256u8": HELP,
     "python -m benchmarks.quant_gap": HELP,
     "python -m benchmarks.quant_gap --memory-only": HELP,

@@ -112,7 +112,7 @@ CASES = [  # (seq, heads, W, tiles, packed, dtype, global precision)
                               for c in CASES])
 def test_every_kernel_compiles_and_matches_the_xla_path(seq, heads, w, tiles, packed, dtype, precision):
     q, keys, hw, ct, valid = _problem(seq, heads, w, jnp.dtype(dtype), packed)
-    tiles = tiles or default_tiles(seq, w)
+    tiles = tiles or default_tiles(seq, w, dtype)
     got = _kernels(q, keys, hw, ct, valid, tiles, precision)
     want = _reference(q, keys, hw, ct, valid, group=16)
     errors = _errors(got, want)

@@ -4,8 +4,8 @@ platform they run in Pallas interpret mode (`interpret_mode`)."""
 
 import jax
 
-from .scores import (KEY_TILE, ROW_TILE, LiveTiles, Plan, Tiles, contribution, default_tiles, live_tiles,
-                     live_tiles_by_rows, vmem_budget)
+from .scores import (KEY_TILE, NARROW_ROW_TILE, ROW_TILE, LiveTiles, Plan, Tiles, contribution, default_tiles,
+                     live_tiles, live_tiles_by_rows, vmem_budget)
 
 
 def interpret_mode(platform: str | None = None) -> bool:
@@ -14,5 +14,5 @@ def interpret_mode(platform: str | None = None) -> bool:
     return (platform or jax.default_backend()) != "tpu"
 
 
-__all__ = ["KEY_TILE", "ROW_TILE", "LiveTiles", "Plan", "Tiles", "contribution", "default_tiles", "interpret_mode",
-           "live_tiles", "live_tiles_by_rows", "vmem_budget"]
+__all__ = ["KEY_TILE", "NARROW_ROW_TILE", "ROW_TILE", "LiveTiles", "Plan", "Tiles", "contribution", "default_tiles",
+           "interpret_mode", "live_tiles", "live_tiles_by_rows", "vmem_budget"]

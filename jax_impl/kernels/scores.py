@@ -72,8 +72,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 # Default tiles (query rows, key blocks). TPU legality: rows lie on lanes (the head weights
 # [c, 1, ts], the transposed logits [tw, ts]) and key blocks on lanes of the cotangent tile
-# [ts, tw], so each tile is a multiple of 128 or the whole axis.
+# [ts, tw], so each tile is a multiple of 128 or the whole axis. bfloat16 inputs take 512-row
+# tiles: measured on a v5e at the released shape (HI=64, S=8192, unroll 16), the stage's
+# forward + backward 9.74 ms at 256 x 256, 9.07 ms at 512 x 256 (forward 2.41 -> 2.32 ms;
+# `python -m benchmarks.tpu_speed --only stage --seqs 8192 --variants 256x256u16,512x256u16`).
+# Other dtypes keep 256 rows, the only float32 tile compiled on a chip (the float32 dq kernel
+# would declare 91 MiB of VMEM at 512 rows).
 ROW_TILE = 256
+NARROW_ROW_TILE = 512
 KEY_TILE = 256
 LANES = 128
 # What a core's VMEM may hold for one kernel (v5e: 128 MiB per core); `vmem_budget` refuses
@@ -101,9 +107,11 @@ class Tiles:
     keys: int
     # Heads per iteration of the in-kernel head loop, for bfloat16 operands (float32 kernels
     # loop one head at a time: the only float32 form compiled on a chip so far). Measured on a
-    # v5e at HI=64, S=8192, 256 x 256 tiles: 8 takes the forward from 3.64 to 2.64 ms and the
-    # forward + backward from 17.1 to 10.4 ms (benchmarks/tpu_speed.py --variants).
-    unroll: int = 8
+    # v5e at HI=64, S=8192, 256 x 256 tiles (benchmarks/tpu_speed.py --variants): forward
+    # 3.64 / 2.50 / 2.41 / 2.31 ms and forward + backward 17.1 / 10.2 / 9.74 / 9.45 ms at 1, 8,
+    # 16 and 64 heads; at 512 x 256, 8 and 16 heads: 9.27 and 9.07 ms. 16 compiles the
+    # backward in 13-18 s, 64 in 27 s.
+    unroll: int = 16
 
     def legal(self, seq_len: int, num_blocks: int, itemsize: int = 4) -> str | None:
         """None when legal on TPU for [.., S, W] (inputs of `itemsize` bytes), else why not."""
@@ -115,11 +123,13 @@ class Tiles:
         return None
 
 
-def default_tiles(seq_len: int, num_blocks: int) -> Tiles:
-    """TPU-legal tiles for rows [.., S] and blocks [.., W]: the whole axis when it fits in one
-    default tile, else the default tile (ROW_TILE, KEY_TILE; the last tile is partial when
-    the tile does not divide the axis)."""
-    rows = seq_len if seq_len <= ROW_TILE else ROW_TILE
+def default_tiles(seq_len: int, num_blocks: int, dtype=None) -> Tiles:
+    """TPU-legal tiles for rows [.., S] and blocks [.., W] of q in `dtype`: the whole axis when
+    it fits in one default tile, else the default tile (rows: NARROW_ROW_TILE for bfloat16,
+    ROW_TILE otherwise; keys: KEY_TILE; the last tile is partial when the tile does not divide
+    the axis)."""
+    row_tile = NARROW_ROW_TILE if dtype is not None and jnp.dtype(dtype) == jnp.bfloat16 else ROW_TILE
+    rows = seq_len if seq_len <= row_tile else row_tile
     keys = num_blocks if num_blocks <= KEY_TILE else KEY_TILE
     return Tiles(max(rows, 1), max(keys, 1))
 
@@ -582,7 +592,7 @@ def contribution(q, keys, w, tiles: Tiles | None = None, valid=None):
     q [B, S, c, DI] and keys [B, W, DI] in the compute dtype or wide, w [B, S, c] wide. Keys
     wider than q are multiplied in q's dtype (the library passes the compute-dtype keys
     widened, for which that is exact); their gradient comes back in their own dtype.
-    `tiles`: (query rows, key blocks) per step; default `default_tiles(S, W)`.
+    `tiles`: (query rows, key blocks) per step; default `default_tiles(S, W, q.dtype)`.
     `valid`: None, [B, S, W] bool, or its `live_tiles` (computed once for many calls, e.g. the
     head chunks of one block of rows). With it, a tile with no valid entry is skipped: its
     scores are 0 and its cotangent is ignored (callers mask the scores with `valid`, so the
@@ -591,7 +601,7 @@ def contribution(q, keys, w, tiles: Tiles | None = None, valid=None):
         if tiles is not None and tiles != valid.tiles:
             raise ValueError(f"contribution: tiles={tiles!r} differ from the live table's {valid.tiles!r}")
         tiles = valid.tiles
-    tiles = tiles or default_tiles(q.shape[1], keys.shape[1])
+    tiles = tiles or default_tiles(q.shape[1], keys.shape[1], q.dtype)
     _check(q, keys, w, tiles, None if isinstance(valid, LiveTiles) else valid)
     if q.shape[1] == 0 or keys.shape[1] == 0 or q.shape[2] == 0:
         # Nothing to tile (no rows, blocks or heads): an empty or zero sum, no kernel.
