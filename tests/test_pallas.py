@@ -194,12 +194,13 @@ PRODUCTION = dict(emb_dim=4096, q_lora_rank=1024, index_n_heads=64, index_head_d
                                             (8192, 1000, "bfloat16")])
 def test_the_loss_exports_for_tpu_at_production_shape(seq, rows, dtype):
     """rows 1000: query blocks of 1000 rows, so the kernels' last row tile is partial
-    (1000 = 7 x 128 + 104): masked in the kernels, not padded in HBM (bfloat16: the stricter
-    (16, 128) rule)."""
+    (1000 = 512 + 488 in bfloat16, 3 x 256 + 232 in float32): masked in the kernels, not
+    padded in HBM (bfloat16: the stricter (16, 128) rule). The tiles are the library's
+    defaults for q's dtype: 512 rows in bfloat16, 256 otherwise."""
     cfg = jax_impl.CSAConfig(**{**PRODUCTION, "query_chunk": rows, "scoring_backend": "pallas"})
     w = seq // 4
-    tiles = default_tiles(rows, w)
-    assert (tiles.rows, tiles.keys) == (256, 256)
+    tiles = default_tiles(rows, w, dtype)
+    assert (tiles.rows, tiles.keys) == (512 if dtype == "bfloat16" else 256, 256)
     assert tiles.legal(rows, w, jnp.dtype(dtype).itemsize) is None
     text = export_loss(cfg, 1, seq, dtype)
     assert text.count("tpu_custom_call") >= 3
@@ -424,3 +425,26 @@ def test_a_mask_over_no_rows_or_no_blocks_builds_an_empty_table(s, w):
     assert all(bool(jnp.all(a == 0)) for a in table[1:])
     out = contribution(jnp.ones((2, s, 2, 8)), jnp.ones((2, w, 8)), jnp.ones((2, s, 2)), valid=valid)
     assert out.shape == (2, s, w)
+
+
+@pytest.mark.parametrize("form", ["grp:256x128u2", "kst:256x128g1", "kst:256x128g2", "kss:256x128g2",
+                                  "chkA:256x128u2c64", "chkB:256x128u2c64"])
+def test_every_form_the_forward_benchmark_times_computes_the_kernels_sum(form):
+    """`python -m benchmarks.forward_forms` times these forms on a chip beside the kernels; a
+    time means something only if the form computes the same causal sum (interpret mode here,
+    two row tiles, the second partly past the diagonal). They differ from the kernels only in
+    the order of the float32 head sum: measured at most 5e-8 normwise at this shape."""
+    from benchmarks.forward_forms import form_call, parse
+    from jax_impl.kernels import live_tiles
+
+    kind, ts, tw, per, chunk = parse(form)
+    s, c, w = 512, 4, 128
+    kq, kk, kw = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(kq, (1, s, c, 128), jnp.float32).astype(jnp.bfloat16)
+    keys = jax.random.normal(kk, (1, w, 128), jnp.float32).astype(jnp.bfloat16)
+    hw = jax.random.normal(kw, (1, s, c), jnp.float32)
+    valid = jnp.arange(w)[None, None, :] * 4 + 4 <= jnp.arange(s)[None, :, None] + 1
+    live = live_tiles(valid, Tiles(ts, tw, per))
+    got = jnp.where(valid, form_call(kind, ts, tw, per, chunk, live.table(), q, keys, hw, interpret=True), 0)
+    want = jnp.where(valid, contribution(q, keys, hw, valid=live), 0)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= 1e-6
