@@ -178,7 +178,8 @@ def raw_scores(q_latent, position_ids, wq_b, hw, keys, cfg, wide, vjp: str = "cu
     """
     heads, di, chunk = cfg.index_n_heads, cfg.index_head_dim, cfg.indexer_head_chunk
     if cfg.scoring_backend == "pallas":
-        # The live tiles once for every head chunk (the mask does not depend on the heads).
+        # The live tiles once for every head chunk (the mask does not depend on the heads), at
+        # the tiles `contribution` would pick for q's dtype.
         tiles = default_tiles(q_latent.shape[1], keys.shape[1], q_latent.dtype)
         live = None if valid is None else live_tiles(valid, tiles)
         keys_wide, widen = keys, (lambda a: a)
