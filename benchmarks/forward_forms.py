@@ -20,8 +20,10 @@ KIND:ROWSxKEYS followed by u (heads an iteration) or g (heads a product) and a c
   layout) or N query rows (B, [rows, keys], K stationary), each chunk's sum over all heads
   carried in registers through the head loop and stored once.
 
-On a TPU the forms compile with Mosaic and each prints its median of --repeats; elsewhere they
-run in Pallas interpret mode, once, as a check of the forms (the times are not the chip's).
+On a TPU the forms compile with Mosaic and each prints its median of --repeats. Elsewhere they
+run in Pallas interpret mode, once, as a check of the forms (the times are not the chip's), and
+only at a small shape (S x HI at most INTERPRET_LIMIT, e.g. --seq 512 --heads 8): at the
+default shape it prints one line (no chip, nothing measured) and exits with status 2.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ F32 = jnp.float32
 MEASURED = ("base:256x256u8 grp:256x256u8 kst:256x256g1 kst:256x256g4 kss:256x256g4 kss:256x256g8 kst:512x256g4 "
             "kst:256x512g4 chkA:256x256u8c16 chkA:256x256u8c32 chkA:256x256u8c64 chkB:256x256u8c32 "
             "chkB:256x256u8c64 base:256x256u64 base:512x256u16").split()
+# Off TPU, the largest S x HI interpreted (seconds per form on a CPU; S=8192 x 64 would take hours).
+INTERPRET_LIMIT = 512 * 8
 FORM = re.compile(r"^(base|grp|kst|kss|chkA|chkB):(\d+)x(\d+)[ug](\d+)(?:c(\d+))?$")
 
 
@@ -186,6 +190,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     on_tpu = jax.default_backend() == "tpu"
+    if not on_tpu and args.seq * args.heads > INTERPRET_LIMIT:
+        print(f"forward_forms: no TPU here (JAX default backend: {jax.default_backend()}); nothing measured "
+              f"(off TPU the forms run in interpret mode at S x HI <= {INTERPRET_LIMIT}, e.g. --seq 512 --heads 8)")
+        return 2
     s, c, w_ = args.seq, args.heads, args.seq // 4
     kq, kk, kw = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(kq, (1, s, c, 128), F32).astype(jnp.bfloat16)
