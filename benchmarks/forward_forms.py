@@ -44,8 +44,8 @@ from jax_impl.kernels import Tiles, contribution, live_tiles
 
 F32 = jnp.float32
 MEASURED = ("base:256x256u8 grp:256x256u8 kst:256x256g1 kst:256x256g4 kss:256x256g4 kss:256x256g8 kst:512x256g4 "
-            "kst:256x512g4 chkA:256x256u8c16 chkA:256x256u8c32 chkA:256x256u8c64 chkB:256x256u8c32 "
-            "chkB:256x256u8c64 base:256x256u64 base:512x256u16").split()
+            "kst:256x512g4 chkA:256x256u8c16 chkA:256x256u8c32 chkA:256x256u8c64 chkB:256x256u8c16 "
+            "chkB:256x256u8c32 chkB:256x256u8c64 base:256x256u64 base:512x256u8").split()
 # Off TPU, the largest S x HI interpreted (seconds per form on a CPU; S=8192 x 64 would take hours).
 INTERPRET_LIMIT = 512 * 8
 FORM = re.compile(r"^(base|grp|kst|kss|chkA|chkB):(\d+)x(\d+)[ug](\d+)(?:c(\d+))?$")
