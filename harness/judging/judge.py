@@ -296,12 +296,21 @@ def judge(entry, outputs: Outputs, references: References, policy: Policy = Poli
         results = _sparse(entry, outputs, references, policy)
     else:
         raise ValueError(f"mode={entry.mode!r} is not one of forward, dense, sparse")
-    if getattr(entry.point, "backend", "xla") != "xla" and entry.quantity not in CODE_QUANTITIES:
-        why = policy.backend_check_not_applicable(entry.point.dtype)
-        if why:  # the comparisons with the XLA path only; the oracle's stand
-            results = [status_result(r.check, r.quantity, NOT_APPLICABLE, why)
-                       if r.check.split("@")[0] in ("xla", "xla-topk") else r for r in results]
+    if entry.quantity not in CODE_QUANTITIES:
+        results = _backend_checks(entry.point, results, policy)
     return [r.with_context(entry.label) for r in results]
+
+
+def _backend_checks(point, results: list[CheckResult], policy: Policy) -> list[CheckResult]:
+    """`results` with a scoring backend's comparisons with the XLA path (`xla`, `xla@sel`,
+    `xla-topk`) not applicable where the precision has the two compute other products
+    (`Policy.backend_check_not_applicable`); the oracle's checks stand."""
+    versus, _ = _native_rule(point, policy)
+    why = versus == "xla" and policy.backend_check_not_applicable(point.dtype)
+    if not why:
+        return results
+    return [status_result(r.check, r.quantity, NOT_APPLICABLE, why)
+            if r.check.split("@")[0] in (versus, f"{versus}-topk") else r for r in results]
 
 
 # --------------------------------------------------------------------------- first diverging stage
