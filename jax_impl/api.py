@@ -234,7 +234,7 @@ def _stages_jit(params, inputs, selection, cfg, dtype_name):
     keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, selection)
     native = dataclasses.replace(cfg, loss_head_chunk=0, query_chunk=0)
     t = teacher_distribution(teacher_inputs(inputs, cfg, dtype, wide), keep, valid_tok, native,
-                             jnp.arange(x.shape[1]), seg)
+                             jnp.arange(x.shape[1]), seg, dtype=dtype)
     log_p = student_log_probs(masked, keep, valid_tok, cfg.sparse_loss)
     return {"pooled": pooled, "keys": keys, "queries": q, "head_weights": hw, "scores": scores,
             "teacher": t, "student": log_p}

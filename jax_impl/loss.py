@@ -19,13 +19,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
+from . import kernels
 from .precision import round_to, widen
 from .scoring import selection_mask
 from .validate import teacher_input_names
 
 MASK = -0.7 * float(np.finfo(np.float32).max)
 EPS = 1e-8
+# The name of the teacher kernels' normaliser, [B, r, h] arrays (`jax.ad_checkpoint.checkpoint_name`).
+TEACHER_NORMALISER = "teacher_normaliser"
 
 
 def teacher_inputs(inputs, cfg, dtype, wide) -> dict:
@@ -117,7 +121,40 @@ def _teacher_probs(tq, teacher_kv, additive_mask, sink=None, window=None):
     return jnp.sum(jnp.exp(a - log_norm), axis=2)
 
 
-def teacher_head_sum(teacher, keep, cfg, rows, segment_ids, window: Window | None = None):
+def _teacher_probs_kernels(tq, od, teacher_kv, keep, live, sink=None, window=None):
+    """`_teacher_probs` by the Pallas kernels (`cfg.scoring_backend == "pallas"`), in the same
+    arithmetic: each head's max over its kept blocks (`kernels.teacher_block_max`), joined here
+    with its sink and window logits into the row's whole max M; the sum of exp(logit - M) over
+    the kept blocks (`kernels.teacher_block_sumexp`), plus the sink and window terms here; then
+    the head sum of the block probabilities (`kernels.teacher_block_probs`): exp(logit - (M +
+    log sum)) for the joint teacher, as XLA subtracts the log-sum-exp, and exp(logit - M) / sum
+    for the compressed one, as `jax.nn.softmax` divides. So every exp takes the argument XLA's
+    gives it, and only the order of the sums differs. No [B, r, h, W] array exists; the products
+    are taken in `od` (the compute dtype, in which the teacher inputs are exact, or wide). An
+    entry outside `keep` is 0 (the XLA path gives it exp(MASK - ...), also 0 on every row that
+    keeps a block; a row that keeps none is zeroed by `normalise_teacher` on both paths).
+
+    The normaliser ([B, r, h] each) is named TEACHER_NORMALISER: the query-blocked loss saves
+    it (jax_impl.query_blocks), so the backward's recomputation of T runs the last kernel only."""
+    tq_k, tkv_k = tq.astype(od), teacher_kv.astype(od)
+    m = kernels.teacher_block_max(tq_k, tkv_k, keep, live)
+    if sink is None:
+        shift = jnp.where(jnp.isfinite(m), m, 0)
+        total = kernels.teacher_block_sumexp(tq_k, tkv_k, keep, shift, live)
+        shift, scale = checkpoint_name((shift, 1 / total), TEACHER_NORMALISER)
+        return kernels.teacher_block_probs(tq_k, tkv_k, keep, shift, scale, live)
+    parts = [jnp.broadcast_to(sink[None, None, :, None], (*tq.shape[:3], 1))]
+    if window is not None:
+        parts.append(window_logits(tq, *window))
+    extra = jnp.concatenate(parts, axis=-1)  # [B, r, h, 1 + window]
+    shift = jnp.maximum(m, jnp.max(extra, axis=-1))  # finite: the sink is
+    total = kernels.teacher_block_sumexp(tq_k, tkv_k, keep, shift, live) + jnp.sum(jnp.exp(extra - shift[..., None]),
+                                                                                   axis=-1)
+    log_norm = checkpoint_name(jnp.log(total) + shift, TEACHER_NORMALISER)
+    return kernels.teacher_block_probs(tq_k, tkv_k, keep, log_norm, live=live)
+
+
+def teacher_head_sum(teacher, keep, cfg, rows, segment_ids, window: Window | None = None, dtype=None):
     """sum over the heads of teacher["teacher_query"] of each head's teacher probabilities on
     the kept blocks, [B, r, W] (wide), not yet renormalised: a sum over any subset of the heads
     (jax_impl.sharded adds the per-device sums over the `model` mesh axis before
@@ -128,7 +165,9 @@ def teacher_head_sum(teacher, keep, cfg, rows, segment_ids, window: Window | Non
     attention_sink [h] and, with a window, teacher_window_kv [B, S, D]; segment_ids [B, S].
     Heads are walked `cfg.loss_head_chunk` at a time; each chunk computes its own heads'
     window logits and normalisers. `window`: where the rows' window keys come from (`Window`);
-    None: teacher["teacher_window_kv"] and segment_ids, the whole sequence.
+    None: teacher["teacher_window_kv"] and segment_ids, the whole sequence. `dtype`: the
+    compute dtype, in which the Pallas kernels multiply (`cfg.scoring_backend == "pallas"`;
+    None: the inputs' own dtype).
     """
     tq, tkv = teacher["teacher_query"], teacher["teacher_kv"]
     joint = cfg.teacher_normaliser == "joint"
@@ -140,15 +179,25 @@ def teacher_head_sum(teacher, keep, cfg, rows, segment_ids, window: Window | Non
     else:
         window = None
     additive_mask = jnp.where(keep, 0.0, MASK).astype(tq.dtype)
+    if cfg.scoring_backend == "pallas":
+        od = kernels.operand_dtype(dtype or tq.dtype, tq.dtype)
+        # The live tiles once for every head chunk (keep does not depend on the heads).
+        live = kernels.live_tiles(keep, kernels.default_tiles(keep.shape[1], keep.shape[2], od))
+
+        def probs(tq_c, sink_c):
+            return _teacher_probs_kernels(tq_c, od, tkv, keep, live, sink_c, window)
+    else:
+        def probs(tq_c, sink_c):
+            return _teacher_probs(tq_c, tkv, additive_mask, sink_c, window)
     chunk = cfg.loss_head_chunk
     if chunk == 0:
-        return _teacher_probs(tq, tkv, additive_mask, sink, window)
+        return probs(tq, sink)
     heads = tq.shape[2]
 
     def body(acc, i):
         tq_c = jax.lax.dynamic_slice_in_dim(tq, i * chunk, chunk, axis=2)
         sink_c = None if sink is None else jax.lax.dynamic_slice_in_dim(sink, i * chunk, chunk)
-        return acc + _teacher_probs(tq_c, tkv, additive_mask, sink_c, window), None
+        return acc + probs(tq_c, sink_c), None
 
     # Zeros [B, S, W] typed like the body's output (a shard_map scan needs equal carry types).
     acc0 = jnp.zeros_like(additive_mask * tq[:, :, :1, 0])
@@ -163,10 +212,11 @@ def normalise_teacher(t, valid_tok):
 
 
 def teacher_distribution(teacher, keep, valid_tok, cfg, rows, segment_ids, window: Window | None = None,
-                         sum_heads=None):
+                         sum_heads=None, dtype=None):
     """T [B, r, W] (wide): the head-summed teacher probabilities, renormalised per row.
-    `sum_heads`: adds the head sum over the devices that hold the other heads (jax_impl.sharded)."""
-    t = teacher_head_sum(teacher, keep, cfg, rows, segment_ids, window)
+    `sum_heads`: adds the head sum over the devices that hold the other heads (jax_impl.sharded);
+    `dtype`: the compute dtype (`teacher_head_sum`)."""
+    t = teacher_head_sum(teacher, keep, cfg, rows, segment_ids, window, dtype)
     return normalise_teacher(t if sum_heads is None else sum_heads(t), valid_tok)
 
 
@@ -215,7 +265,8 @@ def kl_loss(masked_scores, valid, topk, inputs, cfg, dtype, wide, selection=None
     keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, selection)
     teacher = teacher_inputs(inputs, cfg, dtype, wide)
     rows = jnp.arange(masked_scores.shape[1])
-    t = jax.lax.stop_gradient(teacher_distribution(teacher, keep, valid_tok, cfg, rows, inputs["segment_ids"]))
+    t = jax.lax.stop_gradient(teacher_distribution(teacher, keep, valid_tok, cfg, rows, inputs["segment_ids"],
+                                                   dtype=dtype))
     kl = kl_per_token(masked_scores, keep, valid_tok, t, cfg.sparse_loss)
     count = jnp.maximum(jnp.sum(valid_tok), 1).astype(wide)
     return cfg.loss_scale * jnp.sum(kl) / count

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import resolve_dtype
-from .loss import kl_per_token, loss_keep, teacher_distribution
+from .loss import TEACHER_NORMALISER, kl_per_token, loss_keep, teacher_distribution
 from .validate import teacher_input_names
 from .pooling import compress_keys
 from .precision import round_grad_to, round_to, widen
@@ -233,13 +233,17 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
         tq = _take_rows(inputs["teacher_query"], rows)
         tq = jax.lax.stop_gradient(widen(round_to(tq, dtype), wide))
         t = jax.lax.stop_gradient(teacher_distribution({**teacher, "teacher_query": tq}, keep, valid_tok, cfg,
-                                                       rows, inputs["segment_ids"], window, shard.sum_heads))
+                                                       rows, inputs["segment_ids"], window, shard.sum_heads, dtype))
         kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
         return None, (kl, valid_tok)
 
     # kl, valid_tok: [nb, B, r]. The padding rows of the last block are in there: `row_ok`
     # made them rows with no valid block, so their KL term is 0 and they are not counted.
-    kl, valid_tok = _over_blocks(body if num_query_blocks(seq_len, r) == 1 else jax.checkpoint(body), seq_len, r)
+    # The backward recomputes each block (jax.checkpoint), keeping only the teacher kernels'
+    # normaliser [B, r, h] per block ([B, S, h] in all, one or two; none on the XLA path), so
+    # the recomputed T costs one kernel, not three.
+    body_ckpt = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(TEACHER_NORMALISER))
+    kl, valid_tok = _over_blocks(body if num_query_blocks(seq_len, r) == 1 else body_ckpt, seq_len, r)
     # The normaliser is global: every block's valid rows (on a mesh: every device's), counted
     # once, divided once.
     total = _apply(shard.sum_rows, jnp.sum(kl))

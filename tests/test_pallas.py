@@ -40,7 +40,8 @@ from harness.run.collect import evaluate
 from harness.selftest.mutations import CATALOGUE, patch_copy
 from harness.sides.kernel_check import kernel_check
 from jax_impl import scoring
-from jax_impl.kernels import Tiles, contribution, default_tiles
+from jax_impl.kernels import (Tiles, contribution, default_tiles, live_tiles, teacher_block_max, teacher_block_probs,
+                               teacher_block_sumexp)
 from jax_impl.validate import input_shapes, param_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +112,102 @@ def test_pallas_gradients_match_autodiff_of_the_xla_path_in_float32():
     for name, g, r in zip(("wq_b", "head_weights", "keys"), got, want):
         err = float(jnp.max(jnp.abs(g - r)) / jnp.max(jnp.abs(r)))
         assert err <= GRAD_RTOL32, f"{name}: {err:.3g} > {GRAD_RTOL32}"
+
+
+# ----------------------------------------------------------------------------- teacher kernels
+
+# The teacher kernels against the XLA teacher, max |diff| / max |XLA| of the head sum. The
+# kernels give every exp the argument XLA's softmax gives it, so only the order of the sums
+# differs: measured at most 1.7e-7 in float32 (the max at partial tiles; the head sums 9e-8, in
+# bfloat16 too: float32 sums either way), 2.4e-16 in float64 (interpret mode, this CPU); bounds
+# 6x above in float32, 40x in float64 (a few float64 roundings).
+TEACHER_RTOL = {"float64": 1e-14, "float32": 1e-6, "bfloat16": 1e-6}
+
+
+def _teacher_problem(b, r, h, d, w, seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    tq = jnp.asarray(rng.standard_normal((b, r, h, d)) * d**-0.5, dtype)
+    tkv = jnp.asarray(rng.standard_normal((b, w, d)), dtype)
+    s, j = np.arange(r)[:, None], np.arange(w)[None]
+    keep = (4 * j + 4 <= s + 1) & (rng.random((b, r, w)) < 0.7)
+    keep[:, :3] = False  # rows that keep nothing
+    return tq, tkv, jnp.asarray(keep)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_teacher_kernels_at_partial_tiles_match_a_plain_softmax(dtype):
+    """Several row and key tiles, both partial (300 rows, 200 blocks, 128 x 128 tiles), a random
+    keep with rows that keep nothing: the max is -inf there, the sum 0, the head sum 0 (no NaN)."""
+    from jax_impl.kernels import Tiles, live_tiles
+
+    tq, tkv, keep = _teacher_problem(2, 300, 3, 16, 200, dtype=jnp.dtype(dtype))
+    live = live_tiles(keep, Tiles(128, 128, unroll=2))
+    m = teacher_block_max(tq, tkv, keep, live)
+    shift = jnp.where(jnp.isfinite(m), m, 0)
+    total = teacher_block_sumexp(tq, tkv, keep, shift, live)
+    got = teacher_block_probs(tq, tkv, keep, shift, 1 / total, live)
+
+    a = jnp.where(keep[:, :, None, :], jnp.einsum("bshd,bwd->bshw", tq, tkv, precision="highest"), -jnp.inf)
+    want_m = jnp.max(a, axis=-1)
+    want = jnp.sum(jnp.where(keep[:, :, None, :], jax.nn.softmax(a, axis=-1), 0), axis=2)
+    assert bool(jnp.all(jnp.isneginf(m[:, :3]))) and bool(jnp.all(total[:, :3] == 0))
+    assert bool(jnp.all(jnp.isfinite(m) == jnp.isfinite(want_m)))
+    fin = jnp.isfinite(want_m)
+    m_err = float(jnp.max(jnp.abs(jnp.where(fin, m - want_m, 0))) / jnp.max(jnp.abs(jnp.where(fin, want_m, 0))))
+    assert m_err <= TEACHER_RTOL[dtype], m_err
+    assert not bool(jnp.any(jnp.isnan(got))) and bool(jnp.all(got[:, :3] == 0))
+    err = float(jnp.max(jnp.abs(got - jnp.nan_to_num(want))) / jnp.max(want[:, 3:]))
+    assert err <= TEACHER_RTOL[dtype], err
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(teacher_normaliser="compressed"), dict(sliding_window=3),
+                                   dict(sliding_window=3, loss_head_chunk=2), dict(sparse_loss=True)],
+                         ids=["joint", "compressed", "window", "window-chunk2", "sparse"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_the_teacher_by_the_kernels_matches_the_xla_teacher(extra, dtype):
+    """`loss.teacher_head_sum` on both backends: packed documents, the joint teacher's sink and
+    window, the compressed teacher, head chunks, a sparse keep."""
+    from jax_impl import loss
+
+    cfg = jax_impl.CSAConfig(emb_dim=16, q_lora_rank=8, index_n_heads=4, index_head_dim=8, rope_head_dim=4,
+                             compress_ratio=2, index_topk=3, num_query_heads=4, head_dim=16, **extra)
+    b, s, w = 2, 21, 10
+    tq, tkv, keep = _teacher_problem(b, s, 4, 16, w, seed=3)
+    rng = np.random.default_rng(4)
+    seg = jnp.asarray(np.repeat(np.array([[1] * 12 + [2] * 9]), b, 0), jnp.int32)
+    wide = jnp.float64 if dtype == "float64" else jnp.float32
+    narrow = {"bfloat16": jnp.bfloat16}.get(dtype, wide)
+    exact = lambda x: jnp.asarray(x).astype(narrow).astype(wide)  # noqa: E731 - compute-dtype values, widened
+    teacher = {"teacher_query": exact(tq), "teacher_kv": exact(tkv),
+               "teacher_window_kv": exact(rng.standard_normal((b, s, 16))),
+               "attention_sink": jnp.asarray(rng.standard_normal(4), wide)}
+    rows = jnp.arange(s)
+
+    def head_sum(backend):
+        c = dataclasses.replace(cfg, scoring_backend=backend)
+        return loss.teacher_head_sum(teacher, keep, c, rows, seg, dtype=dtype)
+
+    got, want = head_sum("pallas"), jnp.where(keep, head_sum("xla"), 0)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(want))
+    assert err <= TEACHER_RTOL[dtype], err
+
+
+def test_the_backward_recomputes_only_the_teacher_head_sum():
+    """The query-blocked loss saves the teacher kernels' normaliser per block: in the loss and
+    its gradient the normaliser's kernels run once per block (the forward), the head sum twice
+    (the forward, and the backward's recomputation of T). Each kernel counts twice in a jaxpr:
+    its Mosaic call and its interpreted one."""
+    import collections
+
+    cfg = jax_impl.CSAConfig(emb_dim=16, q_lora_rank=8, index_n_heads=4, index_head_dim=8, rope_head_dim=4,
+                             compress_ratio=2, index_topk=3, num_query_heads=4, head_dim=8, query_chunk=4,
+                             scoring_backend="pallas")
+    params = {k: jax.ShapeDtypeStruct(sh, jnp.float32) for k, (_, sh) in param_shapes(cfg).items()}
+    inputs = {k: jax.ShapeDtypeStruct(sh, jnp.int32 if k in ("position_ids", "segment_ids") else jnp.float32)
+              for k, (_, sh) in input_shapes(cfg, 1, 13).items()}
+    jaxpr = jax.make_jaxpr(lambda p, x: jax_impl.indexer_loss_and_grads(p, x, cfg, "float32")[:2])(params, inputs)
+    counts = collections.Counter(c.params["name"] for c in _pallas_calls(jaxpr.jaxpr))
+    assert (counts["csa_teacher_max"], counts["csa_teacher_sum"], counts["csa_teacher_probs"]) == (2, 2, 4), counts
 
 
 # ----------------------------------------------------------------------------- TPU export
@@ -318,13 +415,22 @@ def _traced_kernels(dtype, seq=512, heads=4, w=384, tiles=None, valid=False):
 
     def f(q, k, hw, mask):
         out, pull = jax.vjp(lambda a, b, c: contribution(a, b, c, tiles, mask if valid else None), q, k, hw)
-        return out, *pull(out)
+        # The teacher's kernels on the same operands (heads as teacher heads, keys as its blocks),
+        # at the same tiles: the normaliser's max and sum, the head sum (log-sum-exp and scaled).
+        live = live_tiles(mask, tiles or default_tiles(seq, w, dtype))
+        m = teacher_block_max(q, k, mask, live)
+        total = teacher_block_sumexp(q, k, mask, m, live)
+        probs = (teacher_block_probs(q, k, mask, m, live=live), teacher_block_probs(q, k, mask, m, total, live))
+        return out, *pull(out), *probs
 
     calls = _pallas_calls(jax.make_jaxpr(f)(q, k, hw, mask).jaxpr)
     # Each kernel twice: the Mosaic call (TPU) and the interpreted one (the default branch).
-    assert sorted({c.params["name"] for c in calls}) == ["csa_index_scores", "csa_index_scores_dk",
-                                                          "csa_index_scores_dq"]
+    assert sorted({c.params["name"] for c in calls}) == sorted(KERNELS)
     return calls
+
+
+KERNELS = ("csa_index_scores", "csa_index_scores_dq", "csa_index_scores_dk", "csa_teacher_max", "csa_teacher_sum",
+           "csa_teacher_probs")
 
 
 # What each operand dtype is multiplied at: bfloat16 at DEFAULT (exact products, float32
@@ -337,7 +443,8 @@ def test_every_kernel_dot_names_its_precision_and_float32_accumulation(dtype):
     """A dot without a named precision takes the global jax.default_matmul_precision; with
     HIGHEST on bfloat16 operands Mosaic refuses to compile ("Bad lhs type")."""
     calls = _traced_kernels(jnp.dtype(dtype))
-    assert sum(not c.params["interpret"] for c in calls) == 3, "each kernel's Mosaic call expected"
+    # The head sum twice (log-sum-exp and scaled forms).
+    assert sum(not c.params["interpret"] for c in calls) == len(KERNELS) + 1, "each kernel's Mosaic call expected"
     for call in calls:
         dots = _dots(call.params["jaxpr"])
         assert dots, call.params["name"]

@@ -9,7 +9,10 @@ precision a matmul is lowered at) is judged here.
    kernels skip the tiles past the diagonal), and at a shape whose last row and key tiles are
    partial, with packed documents; bfloat16 also under a global
    `jax.default_matmul_precision("highest")`, which must not reach the kernels' products.
-2. The training step (`jax.value_and_grad(indexer_loss)`) with `scoring_backend="pallas"`
+2. The teacher kernels (each head's log-normaliser over the kept blocks, the head sum of the
+   probabilities) compile and match the XLA teacher at the released shape's last query block
+   and at partial tiles with packed documents and a sparse keep.
+3. The training step (`jax.value_and_grad(indexer_loss)`) with `scoring_backend="pallas"`
    compiles and runs in bfloat16 and float32 and agrees with the XLA backend's.
 
 The XLA side runs at HIGHEST precision (float32 products), head group by head group so that
@@ -120,6 +123,56 @@ def test_every_kernel_compiles_and_matches_the_xla_path(seq, heads, w, tiles, pa
           + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
     bad = {n: e for n, e in errors.items() if not e <= TOL[dtype][n]}
     assert not bad, f"{bad} over {TOL[dtype]}"
+
+
+# The teacher kernels against the XLA teacher (`loss.teacher_head_sum` on either backend, the
+# XLA side at HIGHEST): max |diff| / max |XLA| of the head sum. The kernels give every exp the
+# argument XLA's softmax gives it (bfloat16 operands multiply exactly into float32, float32
+# ones at HIGHEST), so only the order of the sums differs; bound 1e-5, as the scores' float32
+# outputs.
+TEACHER_TOL = 1e-5
+
+
+@pytest.mark.parametrize("seq,heads,w,packed,dtype", [
+    (8192, 64, 2048, False, "bfloat16"), (8192, 64, 2048, False, "float32"),
+    (1000, 8, 250, True, "bfloat16"), (1000, 8, 250, True, "float32")])
+@pytest.mark.parametrize("normaliser", ["joint", "compressed"])
+def test_the_teacher_kernels_compile_and_match_the_xla_teacher(seq, heads, w, packed, dtype, normaliser):
+    """The last query block of 1024 rows at the released shape (the loss's blocks; causal keep,
+    so the kernels skip the tiles past the diagonal; the joint teacher with a 128-token window),
+    and 1000 rows against 250 blocks (the last row tile partial at the default tiles) with
+    packed documents and a random sparse keep."""
+    from jax_impl import loss
+
+    q, keys, _, _, valid = _problem(seq, heads, w, jnp.dtype(dtype), packed)
+    r = min(seq, 1024)
+    rows = jnp.arange(seq - r, seq)
+    keep = valid[:, seq - r:]
+    if packed:
+        keep = keep & jnp.asarray(np.random.default_rng(1).random(keep.shape) < 0.5)
+    rng = np.random.default_rng(2)
+    teacher = {"teacher_query": q[:, seq - r:].astype(jnp.float32) * 128**-0.5,
+               "teacher_kv": keys.astype(jnp.float32),
+               "teacher_window_kv": jnp.asarray(rng.standard_normal((1, seq, 128)), jnp.float32).astype(dtype)
+               .astype(jnp.float32),
+               "attention_sink": jnp.asarray(rng.standard_normal(heads), jnp.float32)}
+    teacher["teacher_query"] = teacher["teacher_query"].astype(dtype).astype(jnp.float32)
+    seg = jnp.zeros((1, seq), jnp.int32)
+    cfg = jax_impl.CSAConfig(emb_dim=8, q_lora_rank=8, index_n_heads=8, index_head_dim=128, rope_head_dim=0,
+                             compress_ratio=4, index_topk=8, num_query_heads=heads, head_dim=128,
+                             sliding_window=128, teacher_normaliser=normaliser)
+
+    def head_sum(backend, chunk):
+        c = dataclasses.replace(cfg, scoring_backend=backend, loss_head_chunk=chunk)
+        return jax.jit(lambda t, k: loss.teacher_head_sum(t, k, c, rows, seg, dtype=dtype))(teacher, keep)
+
+    got = head_sum("pallas", 0)
+    with jax.default_matmul_precision("highest"):
+        want = head_sum("xla", min(heads, 16))
+    want = jnp.where(keep, want, 0)
+    error = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    print(f"teacher {normaliser} S={seq} h={heads} {dtype}: {error:.2e}")
+    assert error <= TEACHER_TOL, f"{error} over {TEACHER_TOL}"
 
 
 # The step: memory_speed's shapes at S=2048 (W=512), query blocks of 1024 rows.

@@ -326,8 +326,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "loss_sparse_mask_not_on_teacher", "loss", "loss.py",
-        "teacher_distribution(teacher, keep, valid_tok, cfg, rows, inputs[\"segment_ids\"])",
-        "teacher_distribution(teacher, valid, valid_tok, cfg, rows, inputs[\"segment_ids\"])",
+        "teacher_distribution(teacher, keep, valid_tok, cfg, rows, inputs[\"segment_ids\"],",
+        "teacher_distribution(teacher, valid, valid_tok, cfg, rows, inputs[\"segment_ids\"],",
         ("exact64@sel",), (TINY64,),
         "sparse mode: the teacher softmax spans every valid block, not just the top-k picks",
     ),

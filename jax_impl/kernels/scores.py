@@ -308,6 +308,77 @@ def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc
         dk_ref[...] = acc_ref[...].astype(dk_ref.dtype)
 
 
+def _keys_in_range(j, key_tile, num_blocks):
+    """[tw, 1] bool: which key rows of key tile j lie before W (all of them unless the tile is
+    partial)."""
+    return j * key_tile + jax.lax.broadcasted_iota(jnp.int32, (key_tile, 1), 0) < num_blocks
+
+
+def _teacher_norm_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, *refs, heads, nr, nwords, od, dd, unroll,
+                         num_blocks, key_tile, phase):
+    """Per head and row, over the kept entries a[j] of the live tiles, reduced over the key tiles
+    into [c, 1, ts] scratch: `phase` "max": max_j a[j] (-inf where a row keeps none); "sum":
+    sum_j exp(a[j] - shift) for the given shift [c, 1, ts] (0 where a row keeps none). Two
+    passes rather than an online softmax: each exp then takes the argument XLA's softmax gives
+    it (logit - the row's whole max), and no partial sum is rescaled by an exp (on a TPU exp is
+    within ~5e-6 of the true value, and each rescale would add that to the normaliser)."""
+    shift_ref, (g_ref, o_ref, acc_ref) = (None, refs) if phase == "max" else (refs[0], refs[1:])
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    wide = acc_ref.dtype
+
+    @pl.when(j == 0)
+    def _():
+        acc_ref[...] = jnp.full(acc_ref.shape, -jnp.inf if phase == "max" else 0, wide)
+
+    @pl.when(_live(bits, b, i, j, nr, nwords))
+    def _():
+        k = k_ref[...].astype(od)
+        keep = g_ref[...].astype(jnp.float32).T > 0  # [tw, ts]
+        if num_blocks % key_tile:  # the last key tile is partial: the blocks past W are not kept
+            keep = keep & _keys_in_range(j, key_tile, num_blocks)
+
+        def head(h):
+            a = jnp.where(keep, _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd), -jnp.inf)  # [tw, ts]
+            if phase == "max":
+                acc_ref[h] = jnp.maximum(acc_ref[h], jnp.max(a, axis=0, keepdims=True))
+            else:
+                acc_ref[h] += jnp.sum(jnp.exp(a - shift_ref[h]), axis=0, keepdims=True)
+
+        _over_heads(heads, head, unroll)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _teacher_probs_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, n_ref, *refs, heads, nr, nwords, od, dd, unroll,
+                          scaled):
+    """One output tile of sum_h exp(a_h - n_h) (`scaled`: sum_h exp(a_h - n_h) * r_h), 0 where
+    not kept (dead tiles: 0). n, r [c, 1, ts]."""
+    r_ref, (g_ref, o_ref, acc_ref) = (refs[0], refs[1:]) if scaled else (None, refs)
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    wide = acc_ref.dtype
+    live = _live(bits, b, i, j, nr, nwords)
+
+    @pl.when(live)
+    def _():
+        k = k_ref[...].astype(od)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
+
+        def head(h):
+            e = jnp.exp(_dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd) - n_ref[h])  # [tw, ts]
+            acc_ref[...] += e * r_ref[h] if scaled else e
+
+        _over_heads(heads, head, unroll)
+        # Once per tile, after the head sum: keep does not depend on the head. An entry outside
+        # keep may have summed to inf (its logit far above the row's normaliser); it is dropped.
+        o_ref[...] = jnp.where(g_ref[...] > 0, acc_ref[...].T, 0).astype(o_ref.dtype)
+
+    @pl.when(jnp.logical_not(live))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
 # ----------------------------------------------------------------------------------- budgets
 
 
@@ -348,8 +419,9 @@ class Plan:
 
 
 def vmem_budget(kernel: str, heads: int, head_dim: int, dtypes, tiles: Tiles) -> Plan:
-    """The VMEM plan of `kernel` ("scores", "dq", "dk") for `heads` heads of `head_dim`, the
-    dtypes (q, keys, w[, g[, dK]]) and `tiles`. Raises ValueError when its budget exceeds VMEM_CAP."""
+    """The VMEM plan of `kernel` ("scores", "dq", "dk", "teacher_max", "teacher_sum",
+    "teacher_probs") for `heads` heads of `head_dim`, the dtypes (q, keys, w[, g[, dK]]; the
+    teacher's: q, keys, its [c, 1, rows] inputs, keep) and `tiles`. Raises ValueError when its budget exceeds VMEM_CAP."""
     ts, tw, c, di = tiles.rows, tiles.keys, heads, head_dim
     qd, kd, wd = dtypes[:3]
     wide = _wide_of(qd, kd, wd)
@@ -363,8 +435,17 @@ def vmem_budget(kernel: str, heads: int, head_dim: int, dtypes, tiles: Tiles) ->
                     (((c, di, ts), wide),), temps)
     elif kernel == "dk":
         plan = Plan(kernel, (*ins, ((ts, tw), dtypes[3]), ((tw, di), dtypes[-1])), (((tw, di), wide),), temps)
+    elif kernel in ("teacher_max", "teacher_sum"):  # dtypes (q, keys[, shift], keep)
+        row = ((c, 1, ts), wide)
+        plan = Plan(kernel, (ins[0], ins[1], *((row,) if kernel == "teacher_sum" else ()), ((ts, tw), dtypes[-1]),
+                             row), (row,), temps)
+    elif kernel == "teacher_probs":  # dtypes (q, keys, n[, r], keep)
+        rows = tuple(((c, 1, ts), d) for d in dtypes[2:-1])
+        plan = Plan(kernel, (ins[0], ins[1], *rows, ((ts, tw), dtypes[-1]), ((ts, tw), wide)), (((tw, ts), wide),),
+                    temps)
     else:
-        raise ValueError(f"kernel={kernel!r} is not one of scores, dq, dk")
+        raise ValueError(f"kernel={kernel!r} is not one of scores, dq, dk, teacher_max, teacher_sum, "
+                         "teacher_probs")
     if plan.budget > VMEM_CAP:
         raise ValueError(f"tiles={tiles!r}: kernel {kernel} needs {plan.budget / 2**20:.0f} MiB of VMEM at "
                          f"{heads} heads x {head_dim} (cap {VMEM_CAP // 2**20} MiB): choose smaller tiles or "
@@ -456,10 +537,14 @@ def _clamp(x, lo_ref, hi_ref, at):
     return jnp.minimum(jnp.maximum(x, lo_ref[at]), hi_ref[at])
 
 
-def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, interpret, plan, **static):
+def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, interpret, plan, inner="arbitrary",
+          names=("q", "k", "w", "g"), **static):
     """pallas_call of `kernel` over (B, row tiles, key tiles) (`by_rows`; else key tiles
-    outermost after B). The inner axis is a reduction ("arbitrary") in the backward kernels.
-    The inner tile's inputs are clamped into the live range of the outer tile."""
+    outermost after B). `inner`: the inner axis' semantics, "arbitrary" where it is a
+    reduction (the backward kernels, the teacher's normaliser), "parallel" otherwise. `names`:
+    which of the operands q [B, c, S, DI], k [B, W, DI], w [B, c, 1, S] (a row per head) and
+    g [B, S, W] `args` are. The inner tile's inputs are clamped into the live range of the
+    outer tile."""
     qt, keys = args[0], args[1]
     b, c, s, di = qt.shape
     nw = keys.shape[1]
@@ -486,8 +571,7 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         grid = (b, nk, nr)
     specs = {"q": pl.BlockSpec((None, c, ts, di), q_map), "k": pl.BlockSpec((None, tw, di), k_map),
              "w": pl.BlockSpec((None, c, 1, ts), w_map), "g": pl.BlockSpec((None, ts, tw), g_map)}
-    in_specs = [specs[n] for n in ("q", "k", "w", "g")[:len(args)]]
-    inner = "parallel" if name == "csa_index_scores" else "arbitrary"
+    in_specs = [specs[n] for n in names]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(table), grid=grid, in_specs=in_specs, out_specs=out_specs(grid),
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch])
@@ -510,7 +594,7 @@ def _scores_call(table, qt, keys, w4, tiles, interpret):
     out = jax.ShapeDtypeStruct((b, s, keys.shape[1]), wide)
     spec = lambda grid: pl.BlockSpec((None, tiles.rows, tiles.keys), lambda b, i, j, *t: (b, i, j))  # noqa: E731
     return _call(_scores_kernel, "csa_index_scores", True, out, spec, table, (qt, keys, w4), tiles, interpret,
-                 plan, od=operand_dtype(qt.dtype, wide))
+                 plan, inner="parallel", names=("q", "k", "w"), od=operand_dtype(qt.dtype, wide))
 
 
 def _dq_call(table, qt, keys, w4, g, tiles, interpret):
@@ -535,6 +619,33 @@ def _dk_call(table, qt, keys, w4, g, tiles, dk_dtype, interpret):
     spec = lambda grid: pl.BlockSpec((None, tiles.keys, di), lambda b, j, i, *t: (b, j, _0()))  # noqa: E731
     return _call(_dk_kernel, "csa_index_scores_dk", False, shape, spec, table, (qt, keys, w4, g), tiles,
                  interpret, plan, od=operand_dtype(qt.dtype, wide), seq_len=s, row_tile=tiles.rows)
+
+
+def _teacher_norm_call(table, qt, keys, *rest, tiles, interpret, phase):
+    """rest: (keep,) for phase "max", (shift4, keep) for "sum"."""
+    b, c, s, di = qt.shape
+    keep = rest[-1]
+    wide = _wide_of(qt.dtype, keys.dtype, keep.dtype)
+    plan = vmem_budget(f"teacher_{phase}", c, di, (qt.dtype, keys.dtype, *(a.dtype for a in rest)), tiles)
+    out = jax.ShapeDtypeStruct((b, c, 1, s), wide)
+    spec = lambda grid: pl.BlockSpec((None, c, 1, tiles.rows), lambda b, i, j, *t: (b, _0(), _0(), i))  # noqa: E731
+    names = ("q", "k", "g") if phase == "max" else ("q", "k", "w", "g")
+    return _call(_teacher_norm_kernel, f"csa_teacher_{phase}", True, out, spec, table, (qt, keys, *rest), tiles,
+                 interpret, plan, names=names, od=operand_dtype(qt.dtype, wide), num_blocks=keys.shape[1],
+                 key_tile=tiles.keys, phase=phase)
+
+
+def _teacher_probs_call(table, qt, keys, *rest, tiles, interpret):
+    """rest: (n4, keep) or (n4, r4, keep) (scaled)."""
+    b, c, s, di = qt.shape
+    wide = _wide_of(qt.dtype, keys.dtype, rest[0].dtype)
+    plan = vmem_budget("teacher_probs", c, di, (qt.dtype, keys.dtype, *(a.dtype for a in rest)), tiles)
+    out = jax.ShapeDtypeStruct((b, s, keys.shape[1]), wide)
+    spec = lambda grid: pl.BlockSpec((None, tiles.rows, tiles.keys), lambda b, i, j, *t: (b, i, j))  # noqa: E731
+    names = ("q", "k", "w", "g") if len(rest) == 2 else ("q", "k", "w", "w", "g")
+    return _call(_teacher_probs_kernel, "csa_teacher_probs", True, out, spec, table, (qt, keys, *rest), tiles,
+                 interpret, plan, inner="parallel", names=names, od=operand_dtype(qt.dtype, wide),
+                 scaled=len(rest) == 3)
 
 
 def _on_platform(call, *args):
@@ -613,3 +724,84 @@ def contribution(q, keys, w, tiles: Tiles | None = None, valid=None):
     else:
         table = live_tiles(jax.lax.stop_gradient(valid), tiles).table()
     return _contribution(q, keys, w, table, tiles)
+
+
+# ----------------------------------------------------------------------------------- teacher
+
+
+def _teacher_setup(name, tq, tkv, keep, live):
+    """(table, tiles, qt [B, h, r, D], keys in tq's dtype, keep as wide 0/1) for a teacher
+    kernel, after checking the shapes."""
+    if tq.ndim != 4 or tkv.ndim != 3 or tkv.shape[0] != tq.shape[0] or tkv.shape[2] != tq.shape[3] \
+            or tuple(keep.shape) != (tq.shape[0], tq.shape[1], tkv.shape[1]) or keep.dtype != jnp.bool_:
+        raise ValueError(f"{name}: tq [B,r,h,D], tkv [B,W,D], keep bool [B,r,W] expected, got tq {tq.shape}, "
+                         f"tkv {tkv.shape}, keep {keep.dtype} {list(keep.shape)}")
+    tiles = live.tiles if live is not None else default_tiles(tq.shape[1], tkv.shape[1], tq.dtype)
+    table = (live if live is not None else live_tiles(keep, tiles)).table()
+    wide = _wide_of(tq.dtype, tkv.dtype)
+    return table, tiles, jnp.swapaxes(tq, 1, 2), tkv.astype(tq.dtype), keep.astype(wide)
+
+
+def _rows4(x, wide):
+    """[B, r, h] -> [B, h, 1, r] (a head's values are one row), in `wide`."""
+    return jnp.swapaxes(x.astype(wide), 1, 2)[:, :, None, :]
+
+
+def _from_rows4(x):
+    return jnp.swapaxes(x[:, :, 0, :], 1, 2)
+
+
+def teacher_block_max(tq, tkv, keep, live: LiveTiles | None = None):
+    """m[b, s, h] = max over the kept j of tq[b, s, h] . tkv[b, j], [B, r, h] wide; -inf where
+    a row keeps no block. By the Pallas kernel `csa_teacher_max` (no gradient: the teacher is
+    detached).
+
+    tq [B, r, h, D] and tkv [B, W, D] in the dtype the products are taken in (bfloat16 at
+    DEFAULT precision into float32, float32 at HIGHEST; tkv is cast to tq's dtype), keep
+    [B, r, W] bool. `live`: `live_tiles(keep, tiles)` computed once for the teacher kernels
+    (default: from keep at `default_tiles`); a tile with no kept entry is skipped."""
+    table, tiles, qt, k, kf = _teacher_setup("teacher_block_max", tq, tkv, keep, live)
+    b, r, h, _ = tq.shape
+    wide = _wide_of(tq.dtype, tkv.dtype)
+    if r == 0 or h == 0 or tkv.shape[1] == 0:
+        return jnp.full((b, r, h), -jnp.inf, wide)
+    return _from_rows4(_on_platform(functools.partial(_teacher_norm_call, tiles=tiles, phase="max"), table, qt, k, kf))
+
+
+def teacher_block_sumexp(tq, tkv, keep, shift, live: LiveTiles | None = None):
+    """sum over the kept j of exp(tq[b, s, h] . tkv[b, j] - shift[b, s, h]), [B, r, h] wide (0
+    where a row keeps no block), by the Pallas kernel `csa_teacher_sum`. shift [B, r, h]: finite;
+    the row's whole max (`teacher_block_max`, with the sink and window logits), as a softmax
+    subtracts it. Same operands and `live` as `teacher_block_max`."""
+    table, tiles, qt, k, kf = _teacher_setup("teacher_block_sumexp", tq, tkv, keep, live)
+    b, r, h, _ = tq.shape
+    wide = _wide_of(tq.dtype, tkv.dtype)
+    _check_rows("teacher_block_sumexp", "shift", shift, (b, r, h))
+    if r == 0 or h == 0 or tkv.shape[1] == 0:
+        return jnp.zeros((b, r, h), wide)
+    return _from_rows4(_on_platform(functools.partial(_teacher_norm_call, tiles=tiles, phase="sum"), table, qt, k,
+                                    _rows4(shift, wide), kf))
+
+
+def _check_rows(name, field, x, want):
+    if tuple(x.shape) != tuple(want):
+        raise ValueError(f"{name}: {field} must be [B, r, h] = {list(want)}, got {list(x.shape)}")
+
+
+def teacher_block_probs(tq, tkv, keep, shift, scale=None, live: LiveTiles | None = None):
+    """sum_h exp(tq[b, s, h] . tkv[b, j] - shift[b, s, h]) (* scale[b, s, h]) where keep[b, s, j],
+    else 0: [B, r, W] wide, the teacher heads' probabilities on the kept blocks summed over the
+    heads, by the Pallas kernel `csa_teacher_probs`. shift, scale [B, r, h] wide: the
+    log-normaliser (scale None: a log-sum-exp subtracted, as the joint teacher's softmax does)
+    or the max with scale = 1 / the sum (as `jax.nn.softmax` divides). Same operands and `live`
+    as `teacher_block_max`; skipped tiles are 0."""
+    table, tiles, qt, k, kf = _teacher_setup("teacher_block_probs", tq, tkv, keep, live)
+    b, r, h, _ = tq.shape
+    wide = _wide_of(tq.dtype, tkv.dtype)
+    _check_rows("teacher_block_probs", "shift", shift, (b, r, h))
+    if scale is not None:
+        _check_rows("teacher_block_probs", "scale", scale, (b, r, h))
+    if r == 0 or h == 0 or tkv.shape[1] == 0:
+        return jnp.zeros((b, r, tkv.shape[1]), wide)
+    rows = (_rows4(shift, wide),) + (() if scale is None else (_rows4(scale, wide),))
+    return _on_platform(functools.partial(_teacher_probs_call, tiles=tiles), table, qt, k, *rows, kf)
