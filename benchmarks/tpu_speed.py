@@ -250,9 +250,8 @@ def step_configs(seq: int, step_rows: int):
     rows = min(step_rows, seq)
     xla = bench_config(1, 1)
     xla_rows = bench_config(1, 8, query_chunk=rows)
-    # With the kernels no [B, r, heads, W] array exists, so the teacher walks every head at
-    # once (its kernels loop over the heads inside): 18.6 -> 17.1 ms of device time against the
-    # teacher 8 heads a step (a jax.profiler trace of this step on a v5e).
+    # With the kernels no [B, r, heads, W] array exists, so the teacher takes every head at
+    # once (its kernels loop over the heads inside): one call of each kernel per query block.
     pallas = bench_config(0, 0, query_chunk=rows, scoring_backend="pallas")
     # XLA at S > 32768 is not run: its query-blocked step takes ~15 s a run there (it scales as
     # S**2 from 60 ms at 8192), more device time than this benchmark is given.

@@ -67,6 +67,7 @@ HOW = {
     "csa-parity run --sample tpu --reference goldens --precision default": LIST,
     "csa-parity run --sample tpu --reference goldens --backends xla,pallas": LIST,
     "csa-parity run --sample tpu --backends xla,pallas": LIST,
+    "csa-parity run --sample tpu --reference goldens --backends pallas --precision highest --jobs 1": LIST,
     "PYTHONPATH=tests csa-parity run --cases tiny --dtypes float32 --ichunks 0,2 --tchunks 0 --qchunks 0 "
     "--modes forward --impl plugins.wrong_at_one_point:make_impl": LIST,
     "PYTHONPATH=tests csa-parity run --impl plugins.quantizer_stage --cases quant_planted,quant_v4": LIST,
@@ -92,6 +93,7 @@ HOW = {
     "python -m benchmarks.teacher_gap": HELP,
     "python -m benchmarks.forward_forms": HELP,
     "python -m benchmarks.tpu_speed": HELP,
+    "python -m benchmarks.tpu_profile": HELP,
     "python -m benchmarks.tpu_speed --only stage --seqs 8192 --variants 256x256u16,256x256u64,512x256u8,512x256u16":
         HELP,
     "python -m benchmarks.tpu_speed --seqs 8192 --variants 256x256u8": HELP,

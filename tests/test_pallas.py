@@ -210,6 +210,20 @@ def test_the_backward_recomputes_only_the_teacher_head_sum():
     assert (counts["csa_teacher_max"], counts["csa_teacher_sum"], counts["csa_teacher_probs"]) == (2, 2, 4), counts
 
 
+@pytest.mark.parametrize("module,argv", [("benchmarks.tpu_speed", ["--seqs", "8192"]), ("benchmarks.tpu_profile", [])])
+def test_the_chip_benchmarks_refuse_off_tpu_in_one_line(module, argv, capsys, tmp_path):
+    """Nothing is measured off a chip: one line, status 2, no results file written."""
+    import importlib
+
+    if jax.default_backend() == "tpu":
+        pytest.skip("on a TPU these benchmarks measure")
+    out = tmp_path / "results.json"
+    assert importlib.import_module(module).main(argv + (["--out", str(out)] if "tpu_speed" in module else [])) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and "no TPU here" in lines[0] and "nothing measured" in lines[0], lines
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------- TPU export
 
 # TPU has no float64 or float16 kernels: a matrix point is exported at its shapes and tiles in

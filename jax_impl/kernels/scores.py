@@ -1,4 +1,5 @@
-"""Pallas kernels for the head-summed ReLU index scores, forward and backward.
+"""Pallas kernels for the head-summed ReLU index scores, forward and backward, and for the
+teacher's head-summed block probabilities.
 
     contribution[b, s, j] = sum_h w[b, s, h] * relu(q[b, s, h] . K[b, j])
 
@@ -14,6 +15,16 @@ in interpret mode):
   dw[s, h] = q[s, h] . (dq[s, h] / w[s, h]) (the same double sum over blocks and DI, reordered).
 - `_dk_kernel`      grid (B, W-tiles, S-tiles), the query tiles innermost: recomputes the
   logits and accumulates dK [tw, DI] over the query tiles.
+
+The teacher (`teacher_block_max`, `teacher_block_sumexp`, `teacher_block_probs`; no gradient,
+the teacher is detached) takes the teacher's queries tq [B, r, h, D] as q, its blocks as K and
+the loss's keep [B, r, W] (as a 0/1 tile) in place of a cotangent, with the same grid, tiles,
+tile skipping and products: `_teacher_norm_kernel` reduces each head's kept logits over the key
+tiles to their max, or to the sum of exp(logit - shift) for a given shift; `_teacher_probs_kernel`
+writes one tile of sum_h exp(logit_h - n_h) (times r_h), 0 where not kept. The caller
+(`jax_impl.loss`) joins the sink and window logits between them, so that every exp takes the
+argument XLA's softmax gives it (on a TPU exp is only within ~5e-6 of the true value, so
+another argument, or an online softmax's rescaling, would move the probabilities by that much).
 
 Layout. Inside a kernel a head's logits are the transposed tile [tw, ts] = K . q_h^T, so that
 the head weights of the rows, w [c, 1, ts], broadcast along sublanes (a row vector per head,
