@@ -539,6 +539,22 @@ CATALOGUE: tuple[Mutant, ...] = (
         kernel=True, killing_test="tests/test_pallas.py",
     ),
     Mutant(
+        "kernel_teacher_keep_ignored", "loss", "kernels/scores.py",
+        "        o_ref[...] = jnp.where(g_ref[...] > 0, acc_ref[...].T, 0).astype(o_ref.dtype)\n",
+        "        o_ref[...] = acc_ref[...].T.astype(o_ref.dtype)\n",
+        ("kernel",), (), "teacher head-sum kernel: the entries the loss does not keep, inside a live tile, "
+        "written with their probabilities instead of 0",
+        kernel=True, killing_test="tests/test_pallas.py",
+    ),
+    Mutant(
+        "kernel_teacher_sum_unshifted", "loss", "kernels/scores.py",
+        "                acc_ref[h] += jnp.sum(jnp.exp(a - shift_ref[h]), axis=0, keepdims=True)\n",
+        "                acc_ref[h] += jnp.sum(jnp.exp(a), axis=0, keepdims=True)\n",
+        ("kernel",), (), "teacher normaliser kernel: the sum of exp without the row's max subtracted, so the "
+        "normaliser no longer matches the shift the probabilities subtract",
+        kernel=True, killing_test="tests/test_pallas.py",
+    ),
+    Mutant(
         "kernel_skips_a_partly_valid_tile", "scoring", "kernels/scores.py",
         "    return _table(jnp.any(padded.reshape(b, nr, tiles.rows, nk, tiles.keys), axis=(2, 4)), tiles)\n",
         "    return _table(jnp.all(padded.reshape(b, nr, tiles.rows, nk, tiles.keys), axis=(2, 4)), tiles)\n",

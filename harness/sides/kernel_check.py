@@ -4,8 +4,9 @@ end of a partial tile read NaN).
 
     kernel_check() -> [CheckResult]   # every comparison; the check passes when none failed
 
-Three problems, in four compiled programs (the XLA reference, the float64 kernels, the
-float64 kernels with tile skipping, the bfloat16 forward kernel):
+Four problems, in seven compiled programs (the XLA reference, the float64 kernels, the
+float64 kernels with tile skipping, the bfloat16 forward kernel, and the teacher's kernels
+beside their reference):
 - float64, B=2, S=21, c=3, DI=8, W=10, tiles (8, 8): three row tiles (8, 8, 5) and two key
   tiles (8, 2), square so that a transposed tile has the right shape and must be caught by
   its numbers. The forward and the VJP (dq, dK, dw under a fixed random cotangent) against
@@ -22,6 +23,11 @@ float64 kernels with tile skipping, the bfloat16 forward kernel):
   contribution of the same values widened to float32, at KERNEL_BF16_FORWARD (below). A
   bfloat16 product is exact in float32, so only the summation order differs; an accumulator in
   bfloat16 is ~1e-2 off.
+- The teacher's kernels, float64, the masked problem's shape, tiles and mask as the loss's keep
+  (q as the teacher's queries, scaled by DI**-0.5, K as its blocks, a sink logit per head): each
+  head's max over its kept blocks, the head sum of the compressed teacher's softmax (shift and
+  sum by the kernels, `exp(logit - M) / sum`) and of the joint teacher's (the sink in the
+  normaliser, `exp(logit - log-sum-exp)`), against the same softmaxes in plain JAX: EXACT64.
 
 tests/test_pallas.py runs it on the committed code; the mutation self-test
 (harness/selftest/mutations.py, `kernel=True` entries) on each mutated copy of jax_impl.
@@ -112,7 +118,41 @@ def kernel_check(stop_on=()) -> list[CheckResult]:
         return results
     got_m, want_m = masked_kernels(q, keys, hw, ct), masked_ref(q, keys, hw, ct)
     results += [compare_close(CHECK, f"float64 masked {n}", g, r, EXACT64) for n, g, r in zip(NAMES64, got_m, want_m)]
-    return results
+    return results + teacher_results(q * SHAPE["DI"]**-0.5, keys, valid, jnp.asarray(_problem(1)[2][0, 0]))
+
+
+def teacher_results(tq, tkv, keep, sink) -> list[CheckResult]:
+    """The teacher's kernels against plain JAX (module doc): `kernel` checks named teacher."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl.kernels import Tiles, live_tiles, teacher_block_max, teacher_block_probs, teacher_block_sumexp
+
+    live = live_tiles(keep, Tiles(*TILES_MASKED))
+
+    @jax.jit
+    def kernels(tq, tkv, sink):
+        m = teacher_block_max(tq, tkv, keep, live)
+        shift = jnp.where(jnp.isfinite(m), m, 0)
+        compressed = teacher_block_probs(tq, tkv, keep, shift, 1 / teacher_block_sumexp(tq, tkv, keep, shift, live),
+                                         live)
+        top = jnp.maximum(m, sink)
+        total = teacher_block_sumexp(tq, tkv, keep, top, live) + jnp.exp(sink - top)
+        return m, compressed, teacher_block_probs(tq, tkv, keep, jnp.log(total) + top, live=live)
+
+    @jax.jit
+    def reference(tq, tkv, sink):
+        a = jnp.where(keep[:, :, None, :], jnp.einsum("bshd,bwd->bshw", tq, tkv), -jnp.inf)
+        kept = jnp.any(keep, axis=-1)[..., None, None]
+        soft = jnp.where(kept, jax.nn.softmax(jnp.where(kept, a, 0), axis=-1), 0)
+        lse = jax.nn.logsumexp(jnp.concatenate([jnp.broadcast_to(sink[..., None], (*a.shape[:3], 1)), a], -1), -1)
+        return (jnp.max(a, axis=-1), jnp.sum(jnp.where(keep[:, :, None, :], soft, 0), axis=2),
+                jnp.sum(jnp.exp(a - lse[..., None]), axis=2))
+
+    sink = jnp.broadcast_to(sink, tq.shape[:3])
+    got, want = kernels(tq, tkv, sink), reference(tq, tkv, sink)
+    return [compare_close(CHECK, f"float64 teacher {n}", g, r, EXACT64)
+            for n, g, r in zip(("max", "compressed head sum", "joint head sum"), got, want)]
 
 
 NAMES64 = ("scores", "dq", "dkeys", "dhead_weights")
