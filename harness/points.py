@@ -32,8 +32,9 @@ class Point:
     mesh: tuple[int, int, int] | None = None
     # The teacher of the loss (SPEC section 8): "joint" (DeepSeek-V4's attention) or "compressed".
     teacher: str = "joint"
-    # jax_impl's scoring code (config `scoring_backend`): "xla", or "pallas" (the Pallas kernels;
-    # interpret mode off TPU). Only the JAX implementation reads it (BACKEND_SAMPLE).
+    # jax_impl's scoring code (config `scoring_backend`): "xla", or "pallas" (the Pallas kernels
+    # for the scores and the teacher; interpret mode off TPU). Only the JAX implementation reads it
+    # (BACKEND_SAMPLE).
     backend: str = "xla"
 
     @property

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 TEACHER_NORMALISERS = ("joint", "compressed")
-# How the scores are computed (jax_impl.scoring.raw_scores): XLA einsums, or the Pallas kernels
-# of jax_impl.kernels (Mosaic on TPU, interpret mode elsewhere). Not part of the math.
+# How the scores and the teacher's block probabilities are computed (jax_impl.scoring.raw_scores,
+# jax_impl.loss.teacher_head_sum): XLA einsums, or the Pallas kernels of jax_impl.kernels (Mosaic
+# on TPU, interpret mode elsewhere). Not part of the math.
 SCORING_BACKENDS = ("xla", "pallas")
 ROPE_SCALING_KEYS = ("type", "factor", "original_max_position", "beta_fast", "beta_slow")
 # index_quant (SPEC section 7a): the keys of its dict and the formats of its codes.
