@@ -517,10 +517,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kernel_accumulate_input_dtype", "scoring", "kernels/scores.py",
-        "            acc_ref[...] += w_ref[h] * jnp.maximum(logits, 0)\n",
-        "            acc_ref[...] = (acc_ref[...] + w_ref[h] * jnp.maximum(logits, 0)).astype(q_ref.dtype).astype(wide)\n",
-        ("kernel",), (), "forward kernel: the head sum accumulated in the input dtype (bfloat16 for "
-        "bfloat16 q), not float32",
+        "            acc_ref[...] += term(h, logits)\n",
+        "            acc_ref[...] = (acc_ref[...] + term(h, logits)).astype(q_ref.dtype).astype(wide)\n",
+        ("kernel",), (), "forward kernels (the scores, the teacher's head sum): the head sum accumulated in "
+        "the input dtype (bfloat16 for bfloat16 q), not float32",
         kernel=True, killing_test="tests/test_pallas.py",
     ),
     Mutant(
@@ -540,8 +540,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "kernel_teacher_keep_ignored", "loss", "kernels/scores.py",
-        "        o_ref[...] = jnp.where(g_ref[...] > 0, acc_ref[...].T, 0).astype(o_ref.dtype)\n",
-        "        o_ref[...] = acc_ref[...].T.astype(o_ref.dtype)\n",
+        "term, lambda acc: jnp.where(g_ref[...] > 0, acc.T, 0),\n",
+        "term, lambda acc: acc.T,\n",
         ("kernel",), (), "teacher head-sum kernel: the entries the loss does not keep, inside a live tile, "
         "written with their probabilities instead of 0",
         kernel=True, killing_test="tests/test_pallas.py",

@@ -222,7 +222,9 @@ def _transpose(x):
 # ----------------------------------------------------------------------------------- kernels
 
 
-def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *, heads, nr, nwords, od, dd, unroll):
+def _head_sum_tile(bits, q_ref, k_ref, o_ref, acc_ref, term, finish, *, nr, nwords, heads, od, dd, unroll):
+    """One output tile of a head sum: on a live tile acc [tw, ts] = sum_h term(h, logits_h),
+    logits_h = K . q_h^T, and the tile finish(acc) [ts, tw]; 0 on a dead tile."""
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
     live = _live(bits, b, i, j, nr, nwords)
@@ -234,14 +236,21 @@ def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref
 
         def head(h):
             logits = _dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd)  # [tw, ts]
-            acc_ref[...] += w_ref[h] * jnp.maximum(logits, 0)
+            acc_ref[...] += term(h, logits)
 
         _over_heads(heads, head, unroll)
-        o_ref[...] = acc_ref[...].T.astype(o_ref.dtype)
+        o_ref[...] = finish(acc_ref[...]).astype(o_ref.dtype)
 
     @pl.when(jnp.logical_not(live))
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def _scores_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, **static):
+    def term(h, logits):
+        return w_ref[h] * jnp.maximum(logits, 0)
+
+    _head_sum_tile(bits, q_ref, k_ref, o_ref, acc_ref, term, lambda acc: acc.T, **static)
 
 
 def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_ref, acc_ref, *, heads, nr,
@@ -362,32 +371,19 @@ def _teacher_norm_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, *refs, heads, n
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _teacher_probs_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, n_ref, *refs, heads, nr, nwords, od, dd, unroll,
-                          scaled):
+def _teacher_probs_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, n_ref, *refs, scaled, **static):
     """One output tile of sum_h exp(a_h - n_h) (`scaled`: sum_h exp(a_h - n_h) * r_h), 0 where
     not kept (dead tiles: 0). n, r [c, 1, ts]."""
     r_ref, (g_ref, o_ref, acc_ref) = (refs[0], refs[1:]) if scaled else (None, refs)
-    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    wide = acc_ref.dtype
-    live = _live(bits, b, i, j, nr, nwords)
 
-    @pl.when(live)
-    def _():
-        k = k_ref[...].astype(od)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
+    def term(h, logits):
+        e = jnp.exp(logits - n_ref[h])
+        return e * r_ref[h] if scaled else e
 
-        def head(h):
-            e = jnp.exp(_dot(k, q_ref[h].astype(od), ((1,), (1,)), wide, dd) - n_ref[h])  # [tw, ts]
-            acc_ref[...] += e * r_ref[h] if scaled else e
-
-        _over_heads(heads, head, unroll)
-        # Once per tile, after the head sum: keep does not depend on the head. An entry outside
-        # keep may have summed to inf (its logit far above the row's normaliser); it is dropped.
-        o_ref[...] = jnp.where(g_ref[...] > 0, acc_ref[...].T, 0).astype(o_ref.dtype)
-
-    @pl.when(jnp.logical_not(live))
-    def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    # Keep is applied once per tile, after the head sum: it does not depend on the head. An
+    # entry outside keep may have summed to inf (its logit far above the row's normaliser).
+    _head_sum_tile(bits, q_ref, k_ref, o_ref, acc_ref, term, lambda acc: jnp.where(g_ref[...] > 0, acc.T, 0),
+                   **static)
 
 
 # ----------------------------------------------------------------------------------- budgets
