@@ -428,7 +428,8 @@ class Plan:
 def vmem_budget(kernel: str, heads: int, head_dim: int, dtypes, tiles: Tiles) -> Plan:
     """The VMEM plan of `kernel` ("scores", "dq", "dk", "teacher_max", "teacher_sum",
     "teacher_probs") for `heads` heads of `head_dim`, the dtypes (q, keys, w[, g[, dK]]; the
-    teacher's: q, keys, its [c, 1, rows] inputs, keep) and `tiles`. Raises ValueError when its budget exceeds VMEM_CAP."""
+    teacher's: q, keys, its [c, 1, rows] inputs, keep) and `tiles`. Raises ValueError when its
+    budget exceeds VMEM_CAP."""
     ts, tw, c, di = tiles.rows, tiles.keys, heads, head_dim
     qd, kd, wd = dtypes[:3]
     wide = _wide_of(qd, kd, wd)
