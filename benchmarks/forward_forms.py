@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_impl.kernels import Tiles, contribution, live_tiles
+from jax_impl.kernels import Tiles, clamp_tile, contribution, live_tiles, tile_is_live
 
 F32 = jnp.float32
 MEASURED = ("base:256x256u8 grp:256x256u8 kst:256x256g1 kst:256x256g4 kss:256x256g4 kss:256x256g8 kst:512x256g4 "
@@ -69,12 +69,6 @@ def _dot_nt(a, b, interpret):
                                preferred_element_type=F32)
 
 
-def _live(bits, b, i, j, nr, nwords):
-    """Bit j of row tile i's words in the LiveTiles table (32 key tiles a word)."""
-    word = bits[(b * nr + i) * nwords + jax.lax.shift_right_logical(j, jnp.int32(5))]
-    return jax.lax.shift_right_logical(word, j & jnp.int32(31)) & 1 == 1
-
-
 def _heads(heads, per, body, init):
     """fori_loop over heads // per groups of `per` heads, an int32 counter (Mosaic indexes in 32 bits)."""
     return jax.lax.fori_loop(jnp.int32(0), jnp.int32(heads // per), body, init)
@@ -84,7 +78,7 @@ def _kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *rest
             nwords, interpret):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows_major = kind in ("kst", "kss", "chkB")  # [rows, keys] tiles; else [keys, rows]
-    live = _live(bits, b, i, j, nr, nwords)
+    live = tile_is_live(bits, b, i, j, nr, nwords)
     dot = functools.partial(_dot_nt, interpret=interpret)
     if rows_major:
         (wb_ref,) = rest
@@ -152,7 +146,7 @@ def form_call(kind, ts, tw, per, chunk, table, q, keys, w, interpret):
     i32 = jnp.int32
 
     def kj(b, i, j, bits, rlo, rhi, klo, khi):  # the key tile clamped into row tile i's live range
-        return jnp.minimum(jnp.maximum(j, rlo[b * nr + i]), rhi[b * nr + i])
+        return clamp_tile(j, rlo, rhi, b * nr + i)
 
     q_spec = pl.BlockSpec((None, c, ts, di), lambda b, i, j, *t: (b, i32(0), i, i32(0)))
     k_spec = pl.BlockSpec((None, tw, di), lambda b, i, j, *t: (b, kj(b, i, j, *t), i32(0)))

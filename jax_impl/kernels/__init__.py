@@ -5,9 +5,9 @@ platform they run in Pallas interpret mode (`interpret_mode`)."""
 
 import jax
 
-from .scores import (KEY_TILE, NARROW_ROW_TILE, ROW_TILE, LiveTiles, Plan, Tiles, contribution, default_tiles,
-                     live_tiles, live_tiles_by_rows, operand_dtype, teacher_block_max, teacher_block_probs,
-                     teacher_block_sumexp, vmem_budget)
+from .scores import (KEY_TILE, NARROW_ROW_TILE, ROW_TILE, LiveTiles, Plan, Tiles, clamp_tile, contribution,
+                     default_tiles, live_tiles, live_tiles_by_rows, operand_dtype, teacher_block_max,
+                     teacher_block_probs, teacher_block_sumexp, tile_is_live, vmem_budget)
 
 
 def interpret_mode(platform: str | None = None) -> bool:
@@ -16,6 +16,6 @@ def interpret_mode(platform: str | None = None) -> bool:
     return (platform or jax.default_backend()) != "tpu"
 
 
-__all__ = ["KEY_TILE", "NARROW_ROW_TILE", "ROW_TILE", "LiveTiles", "Plan", "Tiles", "contribution", "default_tiles",
-           "interpret_mode", "live_tiles", "live_tiles_by_rows", "operand_dtype", "teacher_block_max",
-           "teacher_block_probs", "teacher_block_sumexp", "vmem_budget"]
+__all__ = ["KEY_TILE", "NARROW_ROW_TILE", "ROW_TILE", "LiveTiles", "Plan", "Tiles", "clamp_tile", "contribution",
+           "default_tiles", "interpret_mode", "live_tiles", "live_tiles_by_rows", "operand_dtype", "teacher_block_max",
+           "teacher_block_probs", "teacher_block_sumexp", "tile_is_live", "vmem_budget"]

@@ -205,8 +205,10 @@ def _over_heads(heads, body, unroll=1):
         body(jnp.int32(groups * u + k))
 
 
-def _live(bits_ref, b, i, j, nr, nwords):
-    """Whether tile (row tile i, key tile j) of batch row b holds a valid entry."""
+def tile_is_live(bits_ref, b, i, j, nr, nwords):
+    """Inside a kernel: whether tile (row tile i, key tile j) of batch row b holds a valid entry,
+    read from the `LiveTiles` bit table (`bits`, scalar-prefetched; nr row tiles, nwords words a
+    row tile)."""
     word = bits_ref[(b * nr + i) * nwords + jax.lax.shift_right_logical(j, jnp.int32(WORD_BITS))]
     return jax.lax.shift_right_logical(word, j & jnp.int32(WORD - 1)) & 1 == 1
 
@@ -227,7 +229,7 @@ def _head_sum_tile(bits, q_ref, k_ref, o_ref, acc_ref, term, finish, *, nr, nwor
     logits_h = K . q_h^T, and the tile finish(acc) [ts, tw]; 0 on a dead tile."""
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wide = acc_ref.dtype
-    live = _live(bits, b, i, j, nr, nwords)
+    live = tile_is_live(bits, b, i, j, nr, nwords)
 
     @pl.when(live)
     def _():
@@ -262,7 +264,7 @@ def _dq_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dq_ref, dw_
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
 
-    @pl.when(_live(bits, b, i, j, nr, nwords))
+    @pl.when(tile_is_live(bits, b, i, j, nr, nwords))
     def _():
         k = k_ref[...].astype(od)
         if num_blocks % key_tile:  # the last key tile is partial: zero the blocks past W
@@ -299,7 +301,7 @@ def _dk_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, g_ref, dk_ref, acc
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, wide)
 
-    @pl.when(_live(bits, b, i, j, nr, nwords))
+    @pl.when(tile_is_live(bits, b, i, j, nr, nwords))
     def _():
         k = k_ref[...].astype(od)
         gt = g_ref[...].astype(wide).T  # [tw, ts]
@@ -350,7 +352,7 @@ def _teacher_norm_kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, *refs, heads, n
     def _():
         acc_ref[...] = jnp.full(acc_ref.shape, -jnp.inf if phase == "max" else 0, wide)
 
-    @pl.when(_live(bits, b, i, j, nr, nwords))
+    @pl.when(tile_is_live(bits, b, i, j, nr, nwords))
     def _():
         k = k_ref[...].astype(od)
         keep = g_ref[...].astype(jnp.float32).T > 0  # [tw, ts]
@@ -541,7 +543,10 @@ def _0():
     return jnp.int32(0)
 
 
-def _clamp(x, lo_ref, hi_ref, at):
+def clamp_tile(x, lo_ref, hi_ref, at):
+    """Inside an index map: tile index x clamped into [lo[at], hi[at]], a live range of a
+    `LiveTiles` table (row_lo/row_hi or key_lo/key_hi), so that a dead tile's block index
+    repeats a live one and its block is not copied."""
     return jnp.minimum(jnp.maximum(x, lo_ref[at]), hi_ref[at])
 
 
@@ -561,7 +566,7 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
 
     if by_rows:  # grid (b, i, j); j clamped into row tile i's live key tiles
         def kj(b, i, j, bits, rlo, rhi, klo, khi):
-            return _clamp(j, rlo, rhi, b * nr + i)
+            return clamp_tile(j, rlo, rhi, b * nr + i)
 
         q_map = lambda b, i, j, *t: (b, _0(), i, _0())  # noqa: E731
         k_map = lambda b, i, j, *t: (b, kj(b, i, j, *t), _0())  # noqa: E731
@@ -570,7 +575,7 @@ def _call(kernel, name, by_rows, out_shape, out_specs, table, args, tiles, inter
         grid = (b, nr, nk)
     else:  # grid (b, j, i); i clamped into key tile j's live row tiles
         def ri(b, j, i, bits, rlo, rhi, klo, khi):
-            return _clamp(i, klo, khi, b * nk + j)
+            return clamp_tile(i, klo, khi, b * nk + j)
 
         q_map = lambda b, j, i, *t: (b, _0(), ri(b, j, i, *t), _0())  # noqa: E731
         k_map = lambda b, j, i, *t: (b, j, _0())  # noqa: E731
@@ -738,8 +743,8 @@ def contribution(q, keys, w, tiles: Tiles | None = None, valid=None):
 
 
 def _teacher_setup(name, tq, tkv, keep, live):
-    """(table, tiles, qt [B, h, r, D], keys in tq's dtype, keep as wide 0/1) for a teacher
-    kernel, after checking the shapes."""
+    """(table, tiles, qt [B, h, r, D], keys in tq's dtype, keep as wide 0/1, wide) for a
+    teacher kernel, after checking the shapes."""
     if tq.ndim != 4 or tkv.ndim != 3 or tkv.shape[0] != tq.shape[0] or tkv.shape[2] != tq.shape[3] \
             or tuple(keep.shape) != (tq.shape[0], tq.shape[1], tkv.shape[1]) or keep.dtype != jnp.bool_:
         raise ValueError(f"{name}: tq [B,r,h,D], tkv [B,W,D], keep bool [B,r,W] expected, got tq {tq.shape}, "
@@ -747,7 +752,7 @@ def _teacher_setup(name, tq, tkv, keep, live):
     tiles = live.tiles if live is not None else default_tiles(tq.shape[1], tkv.shape[1], tq.dtype)
     table = (live if live is not None else live_tiles(keep, tiles)).table()
     wide = _wide_of(tq.dtype, tkv.dtype)
-    return table, tiles, jnp.swapaxes(tq, 1, 2), tkv.astype(tq.dtype), keep.astype(wide)
+    return table, tiles, jnp.swapaxes(tq, 1, 2), tkv.astype(tq.dtype), keep.astype(wide), wide
 
 
 def _rows4(x, wide):
@@ -768,9 +773,8 @@ def teacher_block_max(tq, tkv, keep, live: LiveTiles | None = None):
     DEFAULT precision into float32, float32 at HIGHEST; tkv is cast to tq's dtype), keep
     [B, r, W] bool. `live`: `live_tiles(keep, tiles)` computed once for the teacher kernels
     (default: from keep at `default_tiles`); a tile with no kept entry is skipped."""
-    table, tiles, qt, k, kf = _teacher_setup("teacher_block_max", tq, tkv, keep, live)
+    table, tiles, qt, k, kf, wide = _teacher_setup("teacher_block_max", tq, tkv, keep, live)
     b, r, h, _ = tq.shape
-    wide = _wide_of(tq.dtype, tkv.dtype)
     if r == 0 or h == 0 or tkv.shape[1] == 0:
         return jnp.full((b, r, h), -jnp.inf, wide)
     return _from_rows4(_on_platform(functools.partial(_teacher_norm_call, tiles=tiles, phase="max"), table, qt, k, kf))
@@ -781,9 +785,8 @@ def teacher_block_sumexp(tq, tkv, keep, shift, live: LiveTiles | None = None):
     where a row keeps no block), by the Pallas kernel `csa_teacher_sum`. shift [B, r, h]: finite;
     the row's whole max (`teacher_block_max`, with the sink and window logits), as a softmax
     subtracts it. Same operands and `live` as `teacher_block_max`."""
-    table, tiles, qt, k, kf = _teacher_setup("teacher_block_sumexp", tq, tkv, keep, live)
+    table, tiles, qt, k, kf, wide = _teacher_setup("teacher_block_sumexp", tq, tkv, keep, live)
     b, r, h, _ = tq.shape
-    wide = _wide_of(tq.dtype, tkv.dtype)
     _check_rows("teacher_block_sumexp", "shift", shift, (b, r, h))
     if r == 0 or h == 0 or tkv.shape[1] == 0:
         return jnp.zeros((b, r, h), wide)
@@ -803,9 +806,8 @@ def teacher_block_probs(tq, tkv, keep, shift, scale=None, live: LiveTiles | None
     log-normaliser (scale None: a log-sum-exp subtracted, as the joint teacher's softmax does)
     or the max with scale = 1 / the sum (as `jax.nn.softmax` divides). Same operands and `live`
     as `teacher_block_max`; skipped tiles are 0."""
-    table, tiles, qt, k, kf = _teacher_setup("teacher_block_probs", tq, tkv, keep, live)
+    table, tiles, qt, k, kf, wide = _teacher_setup("teacher_block_probs", tq, tkv, keep, live)
     b, r, h, _ = tq.shape
-    wide = _wide_of(tq.dtype, tkv.dtype)
     _check_rows("teacher_block_probs", "shift", shift, (b, r, h))
     if scale is not None:
         _check_rows("teacher_block_probs", "scale", scale, (b, r, h))
