@@ -186,8 +186,8 @@ STEP_SHAPE = dict(emb_dim=256, q_lora_rank=256, index_n_heads=64, index_head_dim
 # different order, so an entry may land one bfloat16 ulp (2**-8 of the largest) apart, and
 # the bfloat16 chain to the parameters carries that on; bound 2**-7, two such ulps. Those were
 # measured with the XLA teacher on both backends. With the teacher's kernels, bfloat16: the same
-# maxima, loss 4.9e-7; float32 not measured yet (an earlier, online form of the teacher's
-# kernels gave 4.9e-5 in wq_b: the chip's exp at other arguments than XLA's).
+# maxima, loss 4.9e-7; float32 not measured (an online-softmax form of the teacher's kernels
+# gives 4.9e-5 in wq_b: the chip's exp at other arguments than XLA's; docs/pallas.md).
 STEP_RTOL = {"float32": 1e-5, "bfloat16": 2.0**-7}
 
 
