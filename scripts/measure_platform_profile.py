@@ -6,10 +6,16 @@ its arithmetic lands from the float64 oracle than torch's did on the fixture mac
     python scripts/measure_platform_profile.py --write         # and stores harness/profiles/<device>.json
 
 Two sections:
-  PATH        the native unchunked JAX path (the xla backend, one program per point) on every
-              case, in float32, bfloat16 and float16, with each teacher, at each matmul precision
-              (highest, default), judged against the fixture goldens (the float64 oracle and torch
-              at the dtype) WITHOUT a profile: each oracle check's ratio error / bound, the bound
+  PATH        the native unchunked JAX path (one program per point) on every case, at each
+              matmul precision (highest, default), of each scoring backend the matrix runs on the
+              device: xla in float32, bfloat16 and float16 with each teacher, pallas where the tpu
+              sample runs it (float32 and bfloat16, the joint teacher). A profile is the device's
+              distance from the oracle, so it is measured over every program the device is judged
+              on: the kernels multiply the inputs XLA's projections made at that precision as they
+              are, where XLA's own scores may fuse them otherwise (measured on a v5e at `default`:
+              one float32 score of ragged came out 4x the oracle on pallas and within 10% on xla,
+              from the same stored queries and keys). Each is judged against the fixture goldens
+              (the float64 oracle and torch at the dtype) WITHOUT a profile: each oracle check's ratio error / bound, the bound
               being the CPU's (alpha * max(torch's error, floor)). The worst ratio per (precision,
               dtype, kind) gives the factor: worst * MARGIN, rounded up to the next multiple of
               GRID, never below 1 (harness.judging.tolerance says why those numbers). Then every
@@ -47,6 +53,7 @@ MARGIN = 1.25  # over the measured worst ratio (harness/judging/tolerance.py, "P
 GRID = 0.25  # factors are rounded up to a multiple of this
 DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = ("highest", "default")
+BACKENDS = ("xla", "pallas")
 ORACLE_CHECKS = ("oracle", "oracle@sel")
 UNIT = 2.0**-24
 
@@ -96,16 +103,22 @@ def elementary(precisions=("highest", "high", "default")) -> dict:
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def native_entries(cases, dtypes):
+def native_entries(cases, dtypes, backends=BACKENDS):
+    """[(point, its entries)]: each case's native point at each dtype and teacher on the xla
+    backend, and where the tpu sample runs the kernels (harness.problems.matrix) on pallas."""
     from harness.points import Point
     from harness.problems.cases import CASES
-    from harness.problems.matrix import entries_at
+    from harness.problems.matrix import TPU_PALLAS_DTYPES, entries_at
 
     out = []
-    for case in cases:
-        for dtype in dtypes:
-            for teacher in CASES[case].teachers:
-                out.append((Point(case, dtype, teacher=teacher), entries_at(Point(case, dtype, teacher=teacher))))
+    for backend in backends:
+        for case in cases:
+            for dtype in dtypes:
+                for teacher in CASES[case].teachers:
+                    if backend == "pallas" and (dtype not in TPU_PALLAS_DTYPES or teacher != "joint"):
+                        continue
+                    point = Point(case, dtype, teacher=teacher, backend=backend)
+                    out.append((point, entries_at(point)))
     return out
 
 
@@ -143,7 +156,8 @@ def measure_path(points, precision: str, threads: int, log) -> tuple[list[dict],
                     if not oracle_rule and r.status not in ("failed", "error"):
                         continue
                     kind = numeric_kind(e.quantity) if oracle_rule else None
-                    rows.append({"case": point.case, "dtype": point.dtype, "teacher": point.teacher, "mode": e.mode,
+                    rows.append({"case": point.case, "dtype": point.dtype, "teacher": point.teacher,
+                                 "backend": point.backend, "mode": e.mode,
                                  "quantity": e.quantity, "check": r.check, "kind": kind, "status": r.status,
                                  "error": float(r.error), "bound": float(r.bound),
                                  "ratio": float(r.error / r.bound) if oracle_rule and r.bound > 0 else None,
@@ -160,7 +174,8 @@ def worst_table(rows) -> dict:
         slot = out.setdefault(r["dtype"], {}).setdefault(r["kind"], {"worst_ratio": -1.0})
         if r["ratio"] > slot["worst_ratio"]:
             slot.update(worst_ratio=r["ratio"],
-                        at=f"{r['case']} {r['dtype']} {r['teacher']} teacher {r['mode']} {r['quantity']} ({r['check']})")
+                        at=f"{r['case']} {r['dtype']} {r['teacher']} teacher {r['mode']} {r['quantity']} ({r['check']})"
+                        + (f", backend {r['backend']}" if r.get("backend", "xla") != "xla" else ""))
     for row in out.values():
         for slot in row.values():
             slot["factor"] = factor_of(slot["worst_ratio"])
@@ -173,9 +188,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", help="comma-separated cases (default: every case)")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="scoring backends measured (default: both)")
     ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1), help="compile threads")
     ap.add_argument("--write", action="store_true", help="store harness/profiles/<device>.json")
     ap.add_argument("--out", help="also write the whole measurement (every row) as JSON here")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="no persistent compilation cache (its file lock serialises the compile threads; measured on "
+                         "a v5e with 12 threads and a cold cache: lock timeouts, 11-35 s a point)")
     ap.add_argument("--only", choices=["elementary"],
                     help="measure the elementary operations only; with --write, replace that block of the stored "
                          "profile (its factors are left as measured)")
@@ -192,7 +211,8 @@ def main(argv=None) -> int:
     from harness.sides import timing
     from harness.sides.implementations import implementation, fixture
 
-    timing.use_compilation_cache(timing.cache_root(None))  # csa-parity run's cache: its native programs
+    if not args.no_cache:
+        timing.use_compilation_cache(timing.cache_root(None))  # csa-parity run's cache: its native programs
     device = platforms.device_info()
     print(f"device: {device['backend']} {device['device_kind']} x{device['device_count']}; jax {device['jax_version']}, "
           f"jaxlib {device['jaxlib_version']}, libtpu {device['libtpu_version']}; runtime {device['runtime_version']}",
@@ -205,8 +225,10 @@ def main(argv=None) -> int:
               "libtpu_version": device["libtpu_version"], "runtime_version": device["runtime_version"],
               "margin": MARGIN, "grid": GRID,
               "how": ("factor = worst ratio (error / the CPU bound) over the oracle checks of the native unchunked "
-                      "xla path on the cases below, at that precision and dtype, times margin, rounded up to a "
-                      "multiple of grid, at least 1; scripts/measure_platform_profile.py"),
+                      "path on the cases below (on the scoring backends `backends` names for that precision: xla; "
+                      "pallas in float32 and bfloat16 with the joint teacher), at that precision and dtype, times margin, rounded up to a multiple of grid, "
+                      "at least 1; scripts/measure_platform_profile.py"),
+              "backends": {}, "commands": {},
               "cases": cases, "factors": {}, "measured": {}, "elementary": {}, "seconds": {}}
     t = time.time()
     result["elementary"] = elementary()
@@ -219,7 +241,7 @@ def main(argv=None) -> int:
             stored["elementary_command"] = result["command"]
             write_profile(stored)
         return 0
-    points = native_entries(cases, dtypes)
+    points = native_entries(cases, dtypes, args.backends.split(","))
     all_rows = {}
     for precision in args.precisions.split(","):
         rows, seconds = measure_path(points, precision, args.threads, lambda s: print(s, flush=True))
@@ -227,6 +249,8 @@ def main(argv=None) -> int:
         result["measured"][precision] = table
         result["factors"][precision] = {d: {k: v["factor"] for k, v in row.items()} for d, row in table.items()}
         result["seconds"][precision] = round(seconds, 1)
+        result["backends"][precision] = args.backends.split(",")
+        result["commands"][precision] = result["command"]
         all_rows[precision] = rows
         other = [r for r in rows if r["ratio"] is None]
         print(f"PATH {precision}: {len(points)} points in {seconds:.0f} s; worst ratio (error / CPU bound) -> factor:")
@@ -252,13 +276,40 @@ def main(argv=None) -> int:
         result.setdefault("failed_with_factors", {})[precision] = len(still)
         print(f"  with the factors: {len(still)} failed checks" + "".join(f"\n    {s}" for s in still[:20]), flush=True)
         if args.write and device["backend"] != "cpu":
-            write_profile(result)
+            write_profile(merged_with_stored(result, precision))
     result["seconds"]["total"] = round(time.time() - t, 1)
     if args.out:
         Path(args.out).write_text(json.dumps({**result, "rows": all_rows}, indent=1))
     if args.write and device["backend"] == "cpu":
         print("not written: a CPU is the reference platform, judged with the CPU's bounds (no profile)")
     return 0
+
+
+PER_PRECISION = ("factors", "measured", "seconds", "failed_with_factors", "backends", "commands")
+
+
+def merged_with_stored(result: dict, precision: str) -> dict:
+    """`result` with the stored profile's blocks of the precisions this run did not measure
+    (a run of --precisions default replaces that precision's factors and keeps the others, each
+    with the command and backends that measured it; a stored block from before backends were
+    recorded was measured on the xla backend alone)."""
+    from harness import platforms
+
+    path = Path(platforms.profile_path(result["backend"], result["device_kind"]))
+    if not path.exists():
+        return result
+    stored = json.loads(path.read_text())
+    out = dict(result)
+    for key in PER_PRECISION:
+        block = dict(stored.get(key) or {})
+        for p in stored.get("factors", {}):
+            if key == "backends":
+                block.setdefault(p, ["xla"])
+            if key == "commands":
+                block.setdefault(p, stored.get("command", ""))
+        block.update({p: v for p, v in result.get(key, {}).items() if p == precision or p in result["factors"]})
+        out[key] = block
+    return out
 
 
 def write_profile(result: dict) -> None:

@@ -104,7 +104,7 @@ HOW = {
     "python -m harness.selftest.mutations": HELP,
     "python -m harness.selftest.mutations --only NAME": HELP,
     "python -m harness.selftest.mutations --dtype float32": HELP,
-    "python scripts/measure_platform_profile.py --write": HELP,
+    "python scripts/measure_platform_profile.py --write --no-cache": HELP,
     "python -m harness.run.multihost --judge /shared/mh": HELP,
     "python -m harness.run.multihost --judge /tmp/mh": HELP,
     "python -m harness.run.multihost --judge DIR": HELP,

@@ -265,30 +265,47 @@ def test_a_pallas_point_is_judged_against_the_xla_path_at_the_backend_bound(quan
     _assert_boundary(f"xla: BACKEND[{dtype}][{kind}] against the XLA path ({quantity})", run, bound)
 
 
+@pytest.mark.parametrize("quantity", ["index_scores", "loss", "grad.indexer.wq_b"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_xla_check_is_not_applicable_where_the_precision_rounds_the_xla_paths_float32(dtype):
-    """On a TPU at `default`, the XLA path's float32 products take one bfloat16 pass and the
-    kernels' HIGHEST: the `xla` checks of a float32 pallas point are not applicable there (named,
-    with the reason), its oracle check still judged; bfloat16 products are exact on both, and at
-    `highest` (or on a CPU at either precision) float32 is judged as ever."""
-    mode, name, kind, scale, make = QUANTITIES["index_scores"]
+def test_the_xla_check_is_not_applicable_where_the_precision_rounds_the_xla_paths_float32(dtype, quantity):
+    """On a TPU at `default`, the XLA path's float32 products take one bfloat16 pass, the kernels'
+    HIGHEST (float32 operands) or two bfloat16 terms (the backward's float32 cotangent against
+    bfloat16 queries and keys): the `xla` checks of a float32 pallas point, and of a bfloat16
+    point's gradients, are not applicable there (named, with the reason), its oracle check still
+    judged. A bfloat16 point's forward and loss (bfloat16 products, exact on both) keep the
+    check, and at `highest` (or on a CPU at either precision) every point is judged as ever."""
+    mode, name, kind, scale, make = QUANTITIES[quantity]
     oracle = make(_rng(6))
     xla = _bump(oracle, 2e-3, _first(oracle), scale)
     cand = Outputs("hand-made", {name: _bump(xla, 10 * tolerance.BACKEND[dtype][kind], scale=scale)})
     refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@t", {name: _bump(oracle, 0.05, scale=scale)}),
                       native=Outputs("xla", {name: xla}))
-    entry = _entry("index_scores", dtype, backend="pallas")
+    entry = _entry(quantity, dtype, backend="pallas")
     for policy in (Policy("highest", "tpu"), Policy("default", "cpu"), Policy("highest", "cpu")):
         assert _only(judge(entry, cand, refs, policy), "xla").status == FAILED, policy
     results = judge(entry, cand, refs, Policy("default", "tpu"))
     assert _only(results, "oracle").status == PASSED
     got = _only(results, "xla")
-    if dtype == "float32":
+    if dtype == "float32" or kind == "grad":
         assert got.status == "not_applicable" and "7 mantissa bits" in got.message, got.message
     else:
         assert got.status == FAILED
-    xla_entry = _entry("index_scores", dtype, ichunk=2)
+    xla_entry = _entry(quantity, dtype, ichunk=2)
     assert not any(r.status == "not_applicable" for r in judge(xla_entry, cand, refs, Policy("default", "tpu")))
+
+
+@pytest.mark.parametrize("case", ["packed", "quant_planted"])
+def test_every_entry_kind_of_a_pallas_point_answers_whether_its_xla_check_applies(case):
+    """Every entry of a pallas point (top-k, isolation and codes included, which have no
+    numeric tolerance) gets an answer, not an error: at `default` on a TPU the xla check leaves
+    every float32 entry and a bfloat16 point's gradients, nothing else; at `highest` none."""
+    from harness.problems.matrix import entries_at
+
+    for dtype in ("float32", "bfloat16"):
+        for e in entries_at(Point(case, dtype, backend="pallas")):
+            why = Policy("default", "tpu").backend_check_not_applicable(dtype, e.kind)
+            assert bool(why) == (dtype == "float32" or e.kind == "grad"), (dtype, e.quantity, why)
+            assert Policy("highest", "tpu").backend_check_not_applicable(dtype, e.kind) is None
 
 
 # --------------------------------------------------------------------------- per-row scale of scores

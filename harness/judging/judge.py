@@ -297,16 +297,16 @@ def judge(entry, outputs: Outputs, references: References, policy: Policy = Poli
     else:
         raise ValueError(f"mode={entry.mode!r} is not one of forward, dense, sparse")
     if entry.quantity not in CODE_QUANTITIES:
-        results = _backend_checks(entry.point, results, policy)
+        results = _backend_checks(entry, results, policy)
     return [r.with_context(entry.label) for r in results]
 
 
-def _backend_checks(point, results: list[CheckResult], policy: Policy) -> list[CheckResult]:
+def _backend_checks(entry, results: list[CheckResult], policy: Policy) -> list[CheckResult]:
     """`results` with a scoring backend's comparisons with the XLA path (`xla`, `xla@sel`,
     `xla-topk`) not applicable where the precision has the two compute other products
     (`Policy.backend_check_not_applicable`); the oracle's checks stand."""
-    versus, _ = _native_rule(point, policy)
-    why = versus == "xla" and policy.backend_check_not_applicable(point.dtype)
+    versus, _ = _native_rule(entry.point, policy)
+    why = versus == "xla" and policy.backend_check_not_applicable(entry.point.dtype, entry.kind)
     if not why:
         return results
     return [status_result(r.check, r.quantity, NOT_APPLICABLE, why)

@@ -366,20 +366,28 @@ class Policy:
     def backend_bound(self, dtype: str, quantity: str) -> float:
         return backend_bound(dtype, quantity)
 
-    def backend_check_not_applicable(self, dtype: str) -> str | None:
-        """Why a scoring backend cannot be held to the XLA path at `dtype` under this precision on
-        this device (the `xla` checks), else None. The kernels name every dot's precision (float32
-        operands at HIGHEST, jax_impl/kernels); where this precision rounds the XLA path's float32
-        operands (a TPU at `default`: one bfloat16 pass), the two compute other products, so the
-        BACKEND bound, a summation-order bound, does not apply. Compare them at `highest`."""
+    def backend_check_not_applicable(self, dtype: str, kind: str) -> str | None:
+        """Why a scoring backend cannot be held to the XLA path for an entry of `kind` (forward,
+        topk, loss, grad, isolation, codes: harness.points.Entry.kind) at `dtype` under
+        this precision on this device (the `xla` checks), else None. The kernels name every dot's
+        precision (jax_impl/kernels): float32 operands at HIGHEST, bfloat16 x bfloat16 at DEFAULT
+        (exact), and in the backward the float32 cotangent against bfloat16 queries and keys as
+        two bfloat16 terms (~16 bits). Where this precision rounds the XLA path's float32
+        operands (a TPU at `default`: one bfloat16 pass), the two compute other products: every
+        float32 quantity, and a bfloat16 point's gradients (measured on a v5e at `default`: up
+        to 1.6 times the bfloat16 gradient bound, in one element of a tensor). The BACKEND bound,
+        a summation-order bound, then does not apply; a bfloat16 point's forward and loss, whose
+        products are exact on both, keep it. Compare the backends at `highest`."""
         from ..platforms import float32_operand_bits, not_applicable_label
 
         bits = float32_operand_bits(self.backend, self.profile)
-        if dtype != "float32" or bits >= 23:
+        if bits >= 23 or not (dtype == "float32" or (dtype == "bfloat16" and kind == "grad")):
             return None
+        operands = "float32 operands" if dtype == "float32" else "the float32 cotangent"
+        kernels = "at HIGHEST" if dtype == "float32" else "as two bfloat16 terms"
         return not_applicable_label(self.backend, f"at matmul precision {self.profile!r} the XLA path multiplies "
-                                    f"float32 operands rounded to {bits} mantissa bits, the Pallas kernels at "
-                                    "HIGHEST; compare the backends at --precision highest")
+                                    f"{operands} rounded to {bits} mantissa bits, the Pallas kernels {kernels}; "
+                                    "compare the backends at --precision highest")
 
     @property
     def exact64(self) -> float:
