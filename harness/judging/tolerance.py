@@ -199,11 +199,19 @@ EXACT64 = 1e-12
 # (float16 forward stays above bfloat16's: a one-ulp f16 flip of q, from a different
 # float32 FMA contraction of the RoPE products in the narrower program, moves a score by
 # 2^-11 relative; bfloat16 flips are 8x rarer at the same f32 noise.)
-# Each bound is a round number a few times above its measurement and at least
-# 30x below the same-dtype error against the oracle, so it stays tight.
+# The scores are judged per query row, so a row whose head terms cancel carries its sum-order
+# noise at the scale of its terms, not of its score. The matrix's worst such row: ragged's
+# query 4, a single valid block whose 64 head terms sum to 1/393 of their magnitudes. Measured
+# over the full sample's forward entries (`csa-parity run --sample full --dtypes
+# float32,bfloat16,float16 --modes forward --reference goldens`, 741 points, 1812 chunk checks,
+# CPU): float32 4.1e-5 there at indexer chunk 1 (q one ulp off, the GEMM blocking above),
+# 1.6e-5 at chunks 2 and 4; every other row of the sample at most 3.3e-6 (ties, chunk 1).
+# bfloat16 3.0e-6 and float16 2.8e-4 (small, chunk 1) in the same run.
+# Each bound is a round number a few times above its measurement, and in float32 more than
+# 10x below bfloat16's rounding of a score (2^-9), so a narrowed sum inside a chunk fails it.
 CHUNK = {
     "float64": {"forward": EXACT64, "loss": EXACT64, "grad": EXACT64},
-    "float32": {"forward": 1e-5, "loss": 2e-6, "grad": 4e-6},
+    "float32": {"forward": 1e-4, "loss": 2e-6, "grad": 4e-6},
     "bfloat16": {"forward": 2e-4, "loss": 5e-6, "grad": 2.0**-7},
     "float16": {"forward": 4e-4, "loss": 5e-6, "grad": 4.0 * 2.0**-10},
 }
@@ -233,13 +241,20 @@ def chunk_bound(dtype: str, quantity: str) -> float:
 #   bfloat16: forward 8.5e-6 (window_heavy, query 4), loss 3.5e-7, grad 3.5e-3 (0.44 ulp(bf16))
 #   float16:  forward 1.2e-6 (flash_dims), loss 3.8e-7, grad 6.3e-4 (0.32 ulp(f16))
 # (with the XLA teacher on both sides: loss 1.6e-7, 2.1e-7, 1.5e-7 and grad 6.2e-7, 3.0e-3,
-# 4.4e-4 in float32, bfloat16, float16). Each bound is a round number 2.3-10x above its
+# 4.4e-4 in float32, bfloat16, float16). The default sample runs ragged on pallas only in
+# float64. Its query 4 (CHUNK above: one valid block, head terms cancelling 393-fold) gives, on
+# the tpu sample's pallas points on a CPU (`csa-parity run --sample tpu --reference goldens
+# --backends pallas`, 398 entries, 1068 checks), float32 forward 2.0e-5; and float16 2.7e-5
+# natively, 2.9e-5 at indexer chunk 2 (`--cases ragged --dtypes float16 --backends pallas
+# --ichunks 0,2 --tchunks 0 --qchunks 0 --modes forward`). Every other entry of those runs:
+# float32 forward at most 1.4e-6, loss 4.5e-7, grad 6.1e-7; bfloat16 forward 8.5e-6, grad
+# 3.5e-3; float16 forward 9.9e-7. Each bound is a round number 2.3-10x above its
 # measurement, and at or below CHUNK's.
 BACKEND = {
     "float64": {"forward": EXACT64, "loss": EXACT64, "grad": EXACT64},
-    "float32": {"forward": 1e-5, "loss": 1e-6, "grad": 5e-6},
+    "float32": {"forward": 5e-5, "loss": 1e-6, "grad": 5e-6},
     "bfloat16": {"forward": 5e-5, "loss": 1e-6, "grad": 2.0**-7},
-    "float16": {"forward": 1e-5, "loss": 1e-6, "grad": 2.0**-9},
+    "float16": {"forward": 1e-4, "loss": 1e-6, "grad": 2.0**-9},
 }
 
 
