@@ -8,18 +8,18 @@ its arithmetic lands from the float64 oracle than torch's did on the fixture mac
 Two sections:
   PATH        the native unchunked JAX path (one program per point) on every case, at each
               matmul precision (highest, default), of each scoring backend the matrix runs on the
-              device: xla in float32, bfloat16 and float16 with each teacher, pallas where the tpu
-              sample runs it (float32 and bfloat16, the joint teacher). A profile is the device's
-              distance from the oracle, so it is measured over every program the device is judged
-              on: the kernels multiply the inputs XLA's projections made at that precision as they
-              are, where XLA's own scores may fuse them otherwise (measured on a v5e at `default`:
-              one float32 score of ragged came out 4x the oracle on pallas and 11% off it on xla,
-              from the same stored queries and keys). Each is judged against the fixture goldens
-              (the float64 oracle and torch at the dtype) WITHOUT a profile: each oracle check's
-              ratio error / bound, the bound being the CPU's (alpha * max(torch's error, floor)).
-              The worst ratio per (precision, dtype, kind) gives the factor: worst * MARGIN,
-              rounded up to the next multiple of GRID, never below 1 (harness.judging.tolerance
-              says why those numbers). Then every
+              device: xla in float32, bfloat16 and float16 with each teacher, pallas in the dtypes
+              the kernels take on a TPU (float32 and bfloat16), joint teacher. A profile is the
+              device's distance from the oracle, so it is measured over every program the device
+              is judged on: the kernels multiply the inputs XLA's projections made at that
+              precision as they are, where XLA's own scores may fuse them otherwise (measured on
+              a v5e at `default`: one float32 score of ragged came out 4x the oracle on pallas and
+              11% off it on xla, from the same stored queries and keys). Each is judged against
+              the fixture goldens (the float64 oracle and torch at the dtype) WITHOUT a profile:
+              each oracle check's ratio error / bound, the bound being the CPU's (alpha *
+              max(torch's error, floor)). The worst ratio per (precision, dtype, kind) gives the
+              factor: worst * MARGIN, rounded up to the next multiple of GRID, never below 1
+              (harness.judging.tolerance says why those numbers). Then every
               point is judged again WITH the factors, and every check that still fails is listed.
   ELEMENTARY  the operations the path is made of, in float32 on the device against float64 numpy:
               a matmul at each precision (highest, high, default), exp, log, rsqrt, a division, a
@@ -106,7 +106,8 @@ def elementary(precisions=("highest", "high", "default")) -> dict:
 
 def native_entries(cases, dtypes, backends=BACKENDS):
     """[(point, its entries)]: each case's native point at each dtype and teacher on the xla
-    backend, and where the tpu sample runs the kernels (harness.problems.matrix) on pallas."""
+    backend, and on pallas in the kernels' TPU dtypes (harness.problems.matrix.TPU_PALLAS_DTYPES)
+    with the joint teacher: every case, not only those the tpu sample runs on pallas."""
     from harness.points import Point
     from harness.problems.cases import CASES
     from harness.problems.matrix import TPU_PALLAS_DTYPES, entries_at
@@ -301,16 +302,13 @@ def merged_with_stored(result: dict) -> dict:
     if not path.exists():
         return result
     stored = json.loads(path.read_text())
+    unrecorded = {"backends": ["xla"], "commands": stored.get("command", "")}  # a block from before they were
     out = dict(result)
     for key in PER_PRECISION:
         block = dict(stored.get(key) or {})
-        for p in stored.get("factors", {}):
-            if key == "backends":
-                block.setdefault(p, ["xla"])
-            if key == "commands":
-                block.setdefault(p, stored.get("command", ""))
-        block.update(result.get(key, {}))
-        out[key] = block
+        if key in unrecorded:
+            block.update({p: unrecorded[key] for p in stored.get("factors", {}) if p not in block})
+        out[key] = block | result.get(key, {})
     return out
 
 
