@@ -6,8 +6,9 @@ measurements behind docs/pallas.md's "where the forward's time is not".
 
 Each form computes sum_h w[s, h] * relu(q[s, h] . K[j]) over the causal tiles of identity
 positions (bfloat16 q and K, float32 w, tiles skipped as the library skips them) and is
-checked against the first form named (normwise, over the valid entries). Forms, as
-KIND:ROWSxKEYS followed by u (heads an iteration) or g (heads a product) and a count:
+checked against the first form named (normwise, over the valid entries), except `mxa` and
+`mxb` below. Forms, as KIND:ROWSxKEYS followed by u (heads an iteration) or g (heads a
+product) and a count:
 
 - `base`: the library's kernels (`jax_impl.kernels.contribution`) at `Tiles(rows, keys, u)`;
 - `grp`: the library's layout ([keys, rows] logits, K streamed through the MXU, each head's
@@ -18,7 +19,12 @@ KIND:ROWSxKEYS followed by u (heads an iteration) or g (heads a product) and a c
   into VMEM; `kss` sums the g heads before one update of the accumulator;
 - `chkA` / `chkB` (with a trailing cN): the tile in chunks of N key rows (A, [keys, rows]
   layout) or N query rows (B, [rows, keys], K stationary), each chunk's sum over all heads
-  carried in registers through the head loop and stored once.
+  carried in registers through the head loop and stored once;
+- `mxa` / `mxb`: the products alone, no ReLU and no head weights: sum_h q[s, h] . K[j], in the
+  library's layout (u heads an iteration, each head's [keys, rows] product added to the
+  accumulator) or K stationary (g heads' rows stacked into one product). What the forward
+  costs with its elementwise work taken out; checked against that sum (einsum at HIGHEST),
+  not against the first form.
 
 On a TPU the forms compile with Mosaic and each prints its median of --repeats. Elsewhere they
 run in Pallas interpret mode, once, as a check of the forms (the times are not the chip's), and
@@ -45,18 +51,20 @@ from jax_impl.kernels import Tiles, clamp_tile, contribution, live_tiles, tile_i
 F32 = jnp.float32
 MEASURED = ("base:256x256u8 grp:256x256u8 kst:256x256g1 kst:256x256g4 kss:256x256g4 kss:256x256g8 kst:512x256g4 "
             "kst:256x512g4 chkA:256x256u8c16 chkA:256x256u8c32 chkA:256x256u8c64 chkB:256x256u8c16 "
-            "chkB:256x256u8c32 chkB:256x256u8c64 base:256x256u64 base:512x256u8").split()
+            "chkB:256x256u8c32 chkB:256x256u8c64 base:256x256u64 base:512x256u8 base:512x256u16 mxa:512x256u16 "
+            "mxb:512x256g16").split()
 # Off TPU, the largest S x HI interpreted (seconds per form on a CPU; S=8192 x 64 would take hours).
 INTERPRET_LIMIT = 512 * 8
-FORM = re.compile(r"^(base|grp|kst|kss|chkA|chkB):(\d+)x(\d+)[ug](\d+)(?:c(\d+))?$")
+FORM = re.compile(r"^(base|grp|kst|kss|chkA|chkB|mxa|mxb):(\d+)x(\d+)[ug](\d+)(?:c(\d+))?$")
+PRODUCTS = ("mxa", "mxb")  # the forms without ReLU and head weights
 
 
 def parse(text: str):
     """'kst:256x256g4' -> ('kst', 256, 256, 4, None); a form it cannot read is refused naming the rule."""
     m = FORM.match(text)
     if not m or (m.group(1).startswith("chk")) != (m.group(5) is not None):
-        raise ValueError(f"form {text!r}: expected KIND:ROWSxKEYS(u|g)N, KIND one of base, grp, kst, kss "
-                         "(no chunk) or chkA, chkB (with a trailing cN chunk of rows)")
+        raise ValueError(f"form {text!r}: expected KIND:ROWSxKEYS(u|g)N, KIND one of base, grp, kst, kss, mxa, "
+                         "mxb (no chunk) or chkA, chkB (with a trailing cN chunk of rows)")
     kind, rows, keys, n, chunk = m.groups()
     return kind, int(rows), int(keys), int(n), int(chunk) if chunk else None
 
@@ -77,10 +85,10 @@ def _heads(heads, per, body, init):
 def _kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *rest, kind, heads, per, chunk, nr,
             nwords, interpret):
     b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows_major = kind in ("kst", "kss", "chkB")  # [rows, keys] tiles; else [keys, rows]
+    rows_major = kind in ("kst", "kss", "chkB", "mxb")  # [rows, keys] tiles; else [keys, rows]
     live = tile_is_live(bits, b, i, j, nr, nwords)
     dot = functools.partial(_dot_nt, interpret=interpret)
-    if rows_major:
+    if rows_major and kind not in PRODUCTS:
         (wb_ref,) = rest
         ts, tw = acc_ref.shape
 
@@ -102,6 +110,20 @@ def _kernel(bits, rlo, rhi, klo, khi, q_ref, k_ref, w_ref, o_ref, acc_ref, *rest
             def step(g, carry):
                 parts = [w_ref[g * per + u] * jnp.maximum(dot(k, q_ref[g * per + u]), 0) for u in range(per)]
                 acc_ref[...] += functools.reduce(jnp.add, parts)
+                return carry
+            _heads(heads, per, step, jnp.int32(0))
+        elif kind in PRODUCTS:
+            acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+
+            def step(g, carry):
+                if kind == "mxa":
+                    for u in range(per):
+                        acc_ref[...] += dot(k, q_ref[g * per + u])
+                else:
+                    ts = acc_ref.shape[0]
+                    logits = dot(q_ref[pl.ds(g * per, per)].reshape(per * ts, q_ref.shape[-1]), k)
+                    for u in range(per):
+                        acc_ref[...] += logits[u * ts:(u + 1) * ts]
                 return carry
             _heads(heads, per, step, jnp.int32(0))
         elif kind in ("kst", "kss"):
@@ -151,7 +173,7 @@ def form_call(kind, ts, tw, per, chunk, table, q, keys, w, interpret):
     q_spec = pl.BlockSpec((None, c, ts, di), lambda b, i, j, *t: (b, i32(0), i, i32(0)))
     k_spec = pl.BlockSpec((None, tw, di), lambda b, i, j, *t: (b, kj(b, i, j, *t), i32(0)))
     o_spec = pl.BlockSpec((None, ts, tw), lambda b, i, j, *t: (b, i, j))
-    if kind in ("grp", "chkA"):
+    if kind in ("grp", "chkA", "mxa"):
         args = (jnp.swapaxes(q, 1, 2), keys, jnp.swapaxes(w, 1, 2)[:, :, None, :])
         w_spec = pl.BlockSpec((None, c, 1, ts), lambda b, i, j, *t: (b, i32(0), i32(0), i))
         scratch = [pltpu.VMEM((tw, ts), F32)]
@@ -159,7 +181,7 @@ def form_call(kind, ts, tw, per, chunk, table, q, keys, w, interpret):
     else:
         args = (jnp.swapaxes(q, 1, 2), keys, w)
         w_spec = pl.BlockSpec((None, ts, c), lambda b, i, j, *t: (b, i, i32(0)))
-        scratch = [pltpu.VMEM((ts, tw), F32), pltpu.VMEM((c, ts, 128), F32)]
+        scratch = [pltpu.VMEM((ts, tw), F32)] + ([] if kind in PRODUCTS else [pltpu.VMEM((c, ts, 128), F32)])
         inner = "arbitrary"  # the weights' broadcast at j == 0 serves the row tile's later steps
     kernel = functools.partial(_kernel, kind=kind, heads=c, per=per, chunk=chunk, nr=nr,
                                nwords=pl.cdiv(nk, 32), interpret=interpret)
@@ -173,7 +195,7 @@ def form_call(kind, ts, tw, per, chunk, table, q, keys, w, interpret):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("forms", nargs="*", default=MEASURED, help="forms to time, the first the yardstick "
+    p.add_argument("forms", nargs="*", default=MEASURED, help="forms to time, the first (not mxa, mxb) the yardstick "
                    "(default: the forms docs/pallas.md reports)")
     p.add_argument("--seq", type=int, default=8192, help="sequence length S (W = S/4 key blocks)")
     p.add_argument("--heads", type=int, default=64, help="indexer heads HI")
@@ -197,7 +219,9 @@ def main(argv=None) -> int:
     valid = jnp.arange(w_, dtype=jnp.int32)[None, None, :] * 4 + 4 <= rows[None, :, None] + 1
     print(f"device: {jax.devices()[0].device_kind}; S={s}, W={w_}, HI={c}, DI=128, bfloat16; "
           + ("median of %d" % args.repeats if on_tpu else "Pallas interpret mode, one run (not the chip's time)"))
-    ref = None
+    ref = ref_name = None
+    products = jnp.where(valid, jnp.einsum("bshd,bjd->bsj", q, keys, precision=jax.lax.Precision.HIGHEST,
+                                           preferred_element_type=F32), 0)
     for text, (kind, ts, tw, per, chunk) in zip(args.forms, forms):
         live = live_tiles(valid, Tiles(ts, tw, per))
         if kind == "base":
@@ -207,15 +231,18 @@ def main(argv=None) -> int:
                          form_call(*a, q, k, w, interpret=not on_tpu))
         try:
             out = jnp.where(valid, jax.block_until_ready(fn(q, keys, w)), 0)
-            ref = out if ref is None else ref
-            err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            if kind in PRODUCTS:
+                yardstick, err = "sum_h q.K", float(jnp.linalg.norm(out - products) / jnp.linalg.norm(products))
+            else:
+                ref, ref_name = (out, text) if ref is None else (ref, ref_name)
+                yardstick, err = ref_name, float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
             runs = []
             for _ in range(args.repeats if on_tpu else 1):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(q, keys, w))
                 runs.append(1e3 * (time.perf_counter() - t0))
             print(f"{text:20s} {statistics.median(runs):8.3f} ms (min {min(runs):.3f})  "
-                  f"normwise difference from {args.forms[0]} {err:.1e}", flush=True)
+                  f"normwise difference from {yardstick} {err:.1e}", flush=True)
         except Exception as e:  # noqa: BLE001 - a form that fails to compile is reported, the rest still run
             print(f"{text:20s} error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     return 0

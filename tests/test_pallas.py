@@ -569,3 +569,28 @@ def test_every_form_the_forward_benchmark_times_computes_the_kernels_sum(form):
     got = jnp.where(valid, form_call(kind, ts, tw, per, chunk, live.table(), q, keys, hw, interpret=True), 0)
     want = jnp.where(valid, contribution(q, keys, hw, valid=live), 0)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= 1e-6
+
+
+@pytest.mark.parametrize("form", ["mxa:256x128u2", "mxb:256x128g2"])
+def test_the_forward_benchmarks_products_alone_are_the_head_summed_products_on_the_live_tiles(form):
+    """The forward benchmark's `mxa` and `mxb` forms (the forward's products without ReLU and
+    head weights, timed beside the kernels on a chip) compute sum_h q_h . K on the live tiles
+    and 0 on the dead ones (interpret mode; row tile 1 of 2 has a dead key tile)."""
+    from benchmarks.forward_forms import form_call, parse
+    from jax_impl.kernels import live_tiles
+
+    kind, ts, tw, per, chunk = parse(form)
+    s, c, w = 512, 4, 256
+    kq, kk, kw = jax.random.split(jax.random.PRNGKey(4), 3)
+    q = jax.random.normal(kq, (1, s, c, 128), jnp.float32).astype(jnp.bfloat16)
+    keys = jax.random.normal(kk, (1, w, 128), jnp.float32).astype(jnp.bfloat16)
+    hw = jax.random.normal(kw, (1, s, c), jnp.float32)
+    valid = jnp.arange(w)[None, None, :] * 4 + 4 <= jnp.arange(s)[None, :, None] + 1
+    live = live_tiles(valid, Tiles(ts, tw, per))
+    got = np.asarray(form_call(kind, ts, tw, per, chunk, live.table(), q, keys, hw, interpret=True))
+    want = np.einsum("bshd,bjd->bsj", np.asarray(q, np.float64), np.asarray(keys, np.float64))
+    tile_live = np.asarray(valid).reshape(1, s // ts, ts, w // tw, tw).any(axis=(2, 4))
+    on = np.repeat(np.repeat(tile_live, ts, axis=1), tw, axis=2)
+    assert 0 < on.mean() < 1, "the problem has live and dead tiles"
+    np.testing.assert_allclose(got[on], want[on], rtol=1e-5, atol=1e-4)
+    assert np.all(got[~on] == 0)
