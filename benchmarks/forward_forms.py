@@ -1,5 +1,5 @@
 """Other forms of the scores' forward kernel, timed beside the library's on one TPU chip: the
-measurements behind docs/pallas.md's "where the forward's time is not".
+measurements behind docs/pallas.md's "where the forward's time goes".
 
     python -m benchmarks.forward_forms                                   # the forms measured, S=8192, 64 heads
     python -m benchmarks.forward_forms --seq 512 --heads 8 base:256x128u8 kst:256x128g4

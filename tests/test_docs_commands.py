@@ -66,6 +66,7 @@ HOW = {
     "csa-parity run --sample tpu --reference goldens": LIST,
     "csa-parity run --sample tpu --reference goldens --precision default": LIST,
     "csa-parity run --sample tpu --reference goldens --backends xla,pallas": LIST,
+    "csa-parity run --sample tpu --reference goldens --backends xla,pallas --precision default": LIST,
     "csa-parity run --sample tpu --backends xla,pallas": LIST,
     "csa-parity run --sample tpu --reference goldens --backends pallas --precision highest --jobs 1": LIST,
     "PYTHONPATH=tests csa-parity run --cases tiny --dtypes float32 --ichunks 0,2 --tchunks 0 --qchunks 0 "
@@ -92,6 +93,8 @@ HOW = {
     "python -m benchmarks.memory_speed --window-only": HELP,
     "python -m benchmarks.teacher_gap": HELP,
     "python -m benchmarks.forward_forms": HELP,
+    "python -m benchmarks.forward_forms base:512x256u16 mxa:512x256u16 mxb:512x256g16 mxa:512x256u64 "
+    "base:512x256u64": HELP,
     "python -m benchmarks.tpu_speed": HELP,
     "python -m benchmarks.tpu_profile": HELP,
     "python -m benchmarks.tpu_speed --only stage --seqs 8192 --variants 256x256u16,256x256u64,512x256u8,512x256u16":

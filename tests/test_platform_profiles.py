@@ -33,9 +33,9 @@ PINS = {
         "highest": {"float32": {"forward": 24.0, "loss": 18.5, "grad": 31.0},
                     "bfloat16": {"forward": 3.75, "loss": 1.25, "grad": 1.0},
                     "float16": {"forward": 27.0, "loss": 29.25, "grad": 1.0}},
-        "default": {"float32": {"forward": 296.0, "loss": 825.0, "grad": 108.0},
+        "default": {"float32": {"forward": 974.0, "loss": 825.0, "grad": 108.25},
                     "bfloat16": {"forward": 3.75, "loss": 1.25, "grad": 1.75},
-                    "float16": {"forward": 34.5, "loss": 114.75, "grad": 166.25}},
+                    "float16": {"forward": 34.5, "loss": 114.5, "grad": 166.25}},
     },
 }
 STORED = sorted(f[:-5] for f in os.listdir(platforms.PROFILES_DIR) if f.endswith(".json"))
