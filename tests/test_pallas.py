@@ -224,6 +224,24 @@ def test_the_chip_benchmarks_refuse_off_tpu_in_one_line(module, argv, capsys, tm
     assert not out.exists()
 
 
+
+def test_the_chip_benchmark_judges_only_the_programs_it_ran():
+    """`--only stage` gives the stage's bounds and no step bound; a stage row missing from a run
+    that measured the stage fails as missing (pure Python, no chip)."""
+    from benchmarks.tpu_speed import STAGE_FWD_BWD_MS, STAGE_FWD_MS, evaluate_bounds
+
+    def row(mode, ms):
+        return {"program": "stage", "impl": "pallas", "mode": mode, "seq": 8192, "dtype": "bfloat16",
+                "status": "ran", "median_ms": ms}
+
+    bounds = evaluate_bounds([row("fwd", STAGE_FWD_MS / 2), row("fwd+bwd", STAGE_FWD_BWD_MS * 2)], [8192])
+    assert [(b["name"], b["ok"]) for b in bounds] == [("stage fwd S=8192 pallas", True),
+                                                       ("stage fwd+bwd S=8192 pallas", False)]
+    (missing,) = [b for b in evaluate_bounds([row("fwd", 1.0)], [8192]) if "fwd+bwd" in b["name"]]
+    assert not missing["ok"] and missing["detail"].startswith("missing")
+    assert evaluate_bounds([], [8192]) == []
+
+
 # ----------------------------------------------------------------------------- TPU export
 
 # TPU has no float64 or float16 kernels: a matrix point is exported at its shapes and tiles in
