@@ -566,6 +566,23 @@ def test_a_mask_over_no_rows_or_no_blocks_builds_an_empty_table(s, w):
     assert out.shape == (2, s, w)
 
 
+def _forward_form(form, w, seed):
+    """A causal problem (S=512, 4 heads, w key blocks, bfloat16) for one form of
+    benchmarks.forward_forms, run in interpret mode: (q, keys, hw, valid, live, the form's
+    output)."""
+    from benchmarks.forward_forms import form_call, parse
+
+    kind, ts, tw, per, chunk = parse(form)
+    s, c = 512, 4
+    kq, kk, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(kq, (1, s, c, 128), jnp.float32).astype(jnp.bfloat16)
+    keys = jax.random.normal(kk, (1, w, 128), jnp.float32).astype(jnp.bfloat16)
+    hw = jax.random.normal(kw, (1, s, c), jnp.float32)
+    valid = jnp.arange(w)[None, None, :] * 4 + 4 <= jnp.arange(s)[None, :, None] + 1
+    live = live_tiles(valid, Tiles(ts, tw, per))
+    return q, keys, hw, valid, live, form_call(kind, ts, tw, per, chunk, live.table(), q, keys, hw, interpret=True)
+
+
 @pytest.mark.parametrize("form", ["grp:256x128u2", "kst:256x128g1", "kst:256x128g2", "kss:256x128g2",
                                   "chkA:256x128u2c64", "chkB:256x128u2c64"])
 def test_every_form_the_forward_benchmark_times_computes_the_kernels_sum(form):
@@ -573,18 +590,8 @@ def test_every_form_the_forward_benchmark_times_computes_the_kernels_sum(form):
     time means something only if the form computes the same causal sum (interpret mode here,
     two row tiles, the second partly past the diagonal). They differ from the kernels only in
     the order of the float32 head sum: measured at most 5e-8 normwise at this shape."""
-    from benchmarks.forward_forms import form_call, parse
-    from jax_impl.kernels import live_tiles
-
-    kind, ts, tw, per, chunk = parse(form)
-    s, c, w = 512, 4, 128
-    kq, kk, kw = jax.random.split(jax.random.PRNGKey(3), 3)
-    q = jax.random.normal(kq, (1, s, c, 128), jnp.float32).astype(jnp.bfloat16)
-    keys = jax.random.normal(kk, (1, w, 128), jnp.float32).astype(jnp.bfloat16)
-    hw = jax.random.normal(kw, (1, s, c), jnp.float32)
-    valid = jnp.arange(w)[None, None, :] * 4 + 4 <= jnp.arange(s)[None, :, None] + 1
-    live = live_tiles(valid, Tiles(ts, tw, per))
-    got = jnp.where(valid, form_call(kind, ts, tw, per, chunk, live.table(), q, keys, hw, interpret=True), 0)
+    q, keys, hw, valid, live, got = _forward_form(form, w=128, seed=3)
+    got = jnp.where(valid, got, 0)
     want = jnp.where(valid, contribution(q, keys, hw, valid=live), 0)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= 1e-6
 
@@ -594,18 +601,9 @@ def test_the_forward_benchmarks_products_alone_are_the_head_summed_products_on_t
     """The forward benchmark's `mxa` and `mxb` forms (the forward's products without ReLU and
     head weights, timed beside the kernels on a chip) compute sum_h q_h . K on the live tiles
     and 0 on the dead ones (interpret mode; row tile 1 of 2 has a dead key tile)."""
-    from benchmarks.forward_forms import form_call, parse
-    from jax_impl.kernels import live_tiles
-
-    kind, ts, tw, per, chunk = parse(form)
-    s, c, w = 512, 4, 256
-    kq, kk, kw = jax.random.split(jax.random.PRNGKey(4), 3)
-    q = jax.random.normal(kq, (1, s, c, 128), jnp.float32).astype(jnp.bfloat16)
-    keys = jax.random.normal(kk, (1, w, 128), jnp.float32).astype(jnp.bfloat16)
-    hw = jax.random.normal(kw, (1, s, c), jnp.float32)
-    valid = jnp.arange(w)[None, None, :] * 4 + 4 <= jnp.arange(s)[None, :, None] + 1
-    live = live_tiles(valid, Tiles(ts, tw, per))
-    got = np.asarray(form_call(kind, ts, tw, per, chunk, live.table(), q, keys, hw, interpret=True))
+    q, keys, _, valid, live, got = _forward_form(form, w=256, seed=4)
+    s, w, (ts, tw) = q.shape[1], keys.shape[1], (live.tiles.rows, live.tiles.keys)
+    got = np.asarray(got)
     want = np.einsum("bshd,bjd->bsj", np.asarray(q, np.float64), np.asarray(keys, np.float64))
     tile_live = np.asarray(valid).reshape(1, s // ts, ts, w // tw, tw).any(axis=(2, 4))
     on = np.repeat(np.repeat(tile_live, ts, axis=1), tw, axis=2)
