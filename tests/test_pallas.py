@@ -224,7 +224,6 @@ def test_the_chip_benchmarks_refuse_off_tpu_in_one_line(module, argv, capsys, tm
     assert not out.exists()
 
 
-
 def test_the_chip_benchmark_judges_only_the_programs_it_ran():
     """`--only stage` gives the stage's bounds and no step bound; a stage row missing from a run
     that measured the stage fails as missing (pure Python, no chip)."""
