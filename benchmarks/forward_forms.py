@@ -220,8 +220,10 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}; S={s}, W={w_}, HI={c}, DI=128, bfloat16; "
           + ("median of %d" % args.repeats if on_tpu else "Pallas interpret mode, one run (not the chip's time)"))
     ref = ref_name = None
-    products = jnp.where(valid, jnp.einsum("bshd,bjd->bsj", q, keys, precision=jax.lax.Precision.HIGHEST,
-                                           preferred_element_type=F32), 0)
+    products = None  # sum_h q.K, the yardstick of the product forms: computed once, if one is named
+    if any(f[0] in PRODUCTS for f in forms):
+        products = jnp.where(valid, jnp.einsum("bshd,bjd->bsj", q, keys, precision=jax.lax.Precision.HIGHEST,
+                                               preferred_element_type=F32), 0)
     for text, (kind, ts, tw, per, chunk) in zip(args.forms, forms):
         live = live_tiles(valid, Tiles(ts, tw, per))
         if kind == "base":
