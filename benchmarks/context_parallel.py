@@ -8,8 +8,12 @@ What is compiled: `jax_impl.sharded.lower_loss_and_grads` (the program of
 `sharded_loss_and_grads`: dense loss, its parameter and input gradients) from abstract shapes on a
 (data, seq, model) = (1, P, 1) mesh, float32, B = 1, with the benchmark's DeepSeek-V4-sized
 indexer (benchmarks.memory_speed.ISSUE_SHAPES: HI=64, DI=128, H=64, D=128, m=4, top-k 512) as a
-long-context user runs it: head chunk 1 on both knobs, query chunk r = 512, the released model's
-128-token window. Nothing is allocated or run.
+long-context user runs it: head chunk 1 on both knobs, query chunk r = 64 (QUERY_CHUNK says why),
+the released model's 128-token window. Nothing is allocated or run.
+
+* The bound at 1M tokens: one device's temp at S = 1048576, P = 8 at most TEMP_BOUND (2 GiB),
+  and, at that point, temp against r (R_SWEEP): what each row of a query block costs and what
+  is left at r = 0, beside `working_set`'s terms.
 
 * Memory: XLA's compiled memory analysis of one device's program (temp, arguments, outputs), and
   the YNNPACK scratch XLA:CPU does not count (benchmarks.memory_speed.ynn_scratch_bytes).
@@ -37,6 +41,7 @@ if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.e
                                f" --xla_force_host_platform_device_count={DEVICES}").strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
@@ -53,10 +58,23 @@ from jax_impl.validate import param_shapes  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEY = "context_parallel"
-QUERY_CHUNK, HEAD_CHUNK, WINDOW = 512, 1, 128
+# The query chunk r. At S = 1M a device's temp is, term by term (`working_set`): one query
+# block's [B, r, W] arrays, linear in r (measured about 9 MiB per row of the block at W = 262144,
+# the model's 6.25), the gathered keys, their cotangent and teacher_kv (0.375 GiB, fixed by W), the
+# device's compressor projections and window rows (0.56 GiB at L = 131072). Only the first depends
+# on r: at P = 8, r = 512 held 5.42 GiB, r = 128 2.16, r = 64 1.59 (R_SWEEP prints them), so r = 64
+# is the largest power of two under TEMP_BOUND. Every row's scores, top-k, teacher row and KL are
+# the same whatever r (rows are independent); r changes only the scan's length and the order in
+# which the blocks' parameter gradients are added (wide). Tiling the key axis instead would cut the
+# same term but needs an online softmax for T and the student, and a top-k merged across tiles: a
+# second formulation of every row's math, where r is a loop bound.
+QUERY_CHUNK, HEAD_CHUNK, WINDOW = 64, 1, 128
 SEQ_SIZES = {131072: (1, 8, 64), 1048576: (1, 8, 16, 32, 64)}
 QUICK_SEQ_SIZES = {131072: (1, 8, 64)}
 COMM_POINT = (1048576, 8)  # the communication table printed (every point's is in results.json)
+# One device's temp at TEMP_POINT (S, P) is at most TEMP_BOUND bytes: 1M tokens on 8 devices.
+TEMP_POINT, TEMP_BOUND = (1048576, 8), 2 * 2**30
+R_SWEEP = (512, 256, 128, 64)  # query chunks compiled at TEMP_POINT (the full run only)
 BATCH, DTYPE = 1, "float32"
 # Bounds: temp (+ YNNPACK scratch) is at most WORKING_SET_FACTOR x the analytic working set
 # (measured: 1.05 at P=1 to 1.44 at S=131072, P=64: XLA's layout copies of [B, r, W] arrays);
@@ -230,6 +248,48 @@ def sweep(seq_sizes: dict, log=None) -> list:
     return rows
 
 
+def r_sweep(rows, log=None) -> list:
+    """One device's memory at TEMP_POINT for each query chunk of R_SWEEP (the sweep's own r taken
+    from `rows`): [{"query_chunk", "memory", "model"}], largest r first."""
+    seq, p = TEMP_POINT
+    out = []
+    for r in R_SWEEP:
+        cfg = dataclasses.replace(cp_config(), query_chunk=r)
+        row = next((x for x in rows if (x["seq"], x["p"]) == TEMP_POINT), None) if r == QUERY_CHUNK else None
+        if row is None:
+            t0 = time.time()
+            memory = compile_point(cfg, seq, p)[0]
+            if log:
+                log(f"  S={seq} P={p} r={r}: temp {memory['temp'] / GIB:.3f} GiB ({time.time() - t0:.0f} s)")
+        else:
+            memory = row["memory"]
+        out.append({"query_chunk": r, "memory": memory, "model": working_set(cfg, BATCH, seq, p)})
+    return out
+
+
+def r_fit(sweep_rows) -> dict | None:
+    """temp = fixed + per_row x r through the largest and the smallest r of the sweep, beside the
+    model's: {"per_row", "fixed", "model_per_row", "model_fixed"} in bytes (None: under two r)."""
+    if len(sweep_rows) < 2:
+        return None
+    hi, lo = sweep_rows[0], sweep_rows[-1]
+    per_row = (hi["memory"]["temp"] - lo["memory"]["temp"]) / (hi["query_chunk"] - lo["query_chunk"])
+    model_per_row = (hi["model"]["query block"] - lo["model"]["query block"]) / (hi["query_chunk"] - lo["query_chunk"])
+    return {"per_row": per_row, "fixed": lo["memory"]["temp"] - per_row * lo["query_chunk"],
+            "model_per_row": model_per_row, "model_fixed": lo["model"]["total"] - model_per_row * lo["query_chunk"]}
+
+
+def temp_bound(rows) -> dict | None:
+    """The bound at TEMP_POINT (None when the sweep did not compile it: --quick)."""
+    row = next((r for r in rows if (r["seq"], r["p"]) == TEMP_POINT), None)
+    if row is None:
+        return None
+    temp = row["memory"]["temp"] + row["memory"]["ynn_scratch"]
+    seq, p = TEMP_POINT
+    return {"name": f"S={seq}, P={p}: one device's temp (+ YNNPACK scratch) at most {TEMP_BOUND / GIB:g} GiB",
+            "ok": temp <= TEMP_BOUND, "detail": f"{temp / GIB:.3f} GiB at query chunk r = {QUERY_CHUNK}"}
+
+
 def _close(measured: float, model: float) -> bool:
     # Each op's bytes are whole numbers: a byte per op of rounding either way.
     return abs(measured - model) <= max(16, 1e-6 * model)
@@ -252,7 +312,7 @@ def scaling(rows) -> dict:
 
 
 def evaluate_bounds(rows) -> list:
-    out = []
+    out = [b for b in (temp_bound(rows),) if b is not None]
     by = {(r["seq"], r["p"]): r for r in rows}
     for seq in sorted({r["seq"] for r in rows}):
         ps = sorted(p for s, p in by if s == seq)
@@ -312,6 +372,19 @@ def print_comm_table(row, file=sys.stdout):
               f"{got['inside_loops'] / MIB:>13.4f}", file=file)
 
 
+def print_r_table(rs, file=sys.stdout):
+    seq, p = TEMP_POINT
+    print(f"\ntemp at S={seq}, P={p} by query chunk r (GiB):", file=file)
+    print(f"{'r':>5} {'temp':>7} {'model':>7} {'query block (model)':>20}", file=file)
+    for r in rs:
+        print(f"{r['query_chunk']:>5} {r['memory']['temp'] / GIB:>7.3f} {r['model']['total'] / GIB:>7.3f} "
+              f"{r['model']['query block'] / GIB:>20.3f}", file=file)
+    fit = r_fit(rs)
+    if fit:
+        print(f"temp = {fit['fixed'] / GIB:.3f} GiB + {fit['per_row'] / MIB:.2f} MiB x r (model: "
+              f"{fit['model_fixed'] / GIB:.3f} GiB + {fit['model_per_row'] / MIB:.2f} MiB x r)", file=file)
+
+
 def write_results(path: str, entry: dict) -> None:
     """Put `entry` under KEY in the JSON at `path`, keeping every other key."""
     data = {}
@@ -340,10 +413,12 @@ def main(argv=None):
 
     if args.reprint:
         with open(args.out) as f:
-            rows = json.load(f)[KEY]["rows"]
+            saved = json.load(f)[KEY]
+        rows, rs = saved["rows"], saved.get("r_sweep", [])
         args.no_write = True
     else:
         rows = sweep(QUICK_SEQ_SIZES if args.quick else SEQ_SIZES, log)
+        rs = [] if args.quick else r_sweep(rows, log)
     cfg = cp_config()
     print(f"the sharded dense loss gradient per device, (data, seq, model) = (1, P, 1), B={BATCH}, {DTYPE}, "
           f"head chunk {HEAD_CHUNK}, query chunk {QUERY_CHUNK}, window {WINDOW}:")
@@ -352,15 +427,25 @@ def main(argv=None):
     for seq, f in scaling(rows).items():
         print(f"S={seq}: temp = {f['fixed'] / GIB:.3f} GiB + {f['slope']:.0f} bytes x L (through P = "
               f"{min(r['p'] for r in rows if r['seq'] == seq)} and {max(r['p'] for r in rows if r['seq'] == seq)})")
+    at = next((r for r in rows if (r["seq"], r["p"]) == TEMP_POINT), None)
+    if at is not None:
+        print(f"\nS={TEMP_POINT[0]}, P={TEMP_POINT[1]}: temp {at['memory']['temp'] / GIB:.3f} GiB; "
+              "working_set by term (GiB): " + ", ".join(f"{k} {v / GIB:.3f}" for k, v in at["model"].items()))
+    if rs:
+        print_r_table(rs)
     print(f"\ncollectives at S={point['seq']}, P={point['p']} (bytes one device moves per step):")
     print_comm_table(point)
     bounds = evaluate_bounds(rows)
     print("\nbounds:")
     for b in bounds:
         print(f"  {'PASS' if b['ok'] else 'FAIL'}  {b['name']}: {b['detail']}")
+    if temp_bound(rows) is None:
+        print(f"  (S={TEMP_POINT[0]}, P={TEMP_POINT[1]} not compiled (--quick): its {TEMP_BOUND / GIB:g} GiB bound "
+              "is not checked)")
     elapsed = time.time() - started
     if not args.reprint:
-        print(f"\n{len(rows)} programs compiled, {elapsed:.0f} s")
+        compiled = len(rows) + sum(r["query_chunk"] != QUERY_CHUNK for r in rs)
+        print(f"\n{compiled} programs compiled, {elapsed:.0f} s")
     if not args.no_write:
         command = "python -m benchmarks.context_parallel " + " ".join(argv if argv is not None else sys.argv[1:])
         write_results(args.out, {
@@ -375,6 +460,10 @@ def main(argv=None):
             "elapsed_s": elapsed,
             "comm_point": list(COMM_POINT),
             "rows": rows,
+            "temp_point": list(TEMP_POINT),
+            "temp_bound": TEMP_BOUND,
+            "r_sweep": rs,
+            "r_fit": r_fit(rs),
             "scaling": {str(k): v for k, v in scaling(rows).items()},
             "bounds": bounds,
         })

@@ -121,6 +121,29 @@ def test_comm_model_at_a_hand_worked_point():
     assert all(v == 0 for v in cp.comm_model(cp.cp_config(), 1, 2**20, 1).values())
 
 
+def test_working_set_at_the_bound_point_term_by_term():
+    """S = 1M, P = 8 at the benchmark's r = 64: A = r W float32 = 64 MiB; the query block (4.25 + 2)
+    A; the keys and their cotangent 2 W DI x 4 B; teacher_kv W D x 4 B; the compressor 4 L 2 DI x 4 B."""
+    ws = cp.working_set(cp.cp_config(), 1, 2**20, 8)
+    assert cp.QUERY_CHUNK == 64 and ws["query block"] == 6.25 * 64 * MIB
+    assert (ws["keys"], ws["teacher_kv"], ws["compressor"]) == (256 * MIB, 128 * MIB, 512 * MIB)
+    assert ws["total"] == sum(v for k, v in ws.items() if k != "total")
+
+
+def test_the_temp_bound_and_the_r_fit():
+    def row(seq, p, temp):
+        return {"seq": seq, "p": p, "memory": {"temp": temp, "ynn_scratch": 0}}
+
+    seq, p = cp.TEMP_POINT
+    assert cp.temp_bound([row(131072, 8, 1)]) is None  # --quick: not compiled, not passed
+    assert cp.temp_bound([row(seq, p, cp.TEMP_BOUND)])["ok"]
+    assert not cp.temp_bound([row(seq, p, cp.TEMP_BOUND + 1)])["ok"]
+    sweep = [{"query_chunk": r, "memory": {"temp": 100 + 3 * r}, "model": {"query block": 2 * r, "total": 50 + 2 * r}}
+             for r in (512, 64)]
+    assert cp.r_fit(sweep) == {"per_row": 3, "fixed": 100, "model_per_row": 2, "model_fixed": 50}
+    assert cp.r_fit(sweep[:1]) is None
+
+
 def test_results_keep_the_other_benchmarks_keys(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"rows": [1], "query_rows": [2], cp.KEY: {"old": True}}))
