@@ -6,7 +6,8 @@ vmap, shard_map; shapes and dtypes checked while tracing); values are checked on
 by `validate_inputs` (or inside jit by `checkify_inputs`). No torch here.
 """
 
-from .api import STAGES, forward_stages, indexer_forward, indexer_loss, indexer_loss_and_grads, indexer_parity_bundle, score_stage
+from .api import STAGES, forward_stages, indexer_forward, indexer_loss, indexer_loss_and_grads, indexer_parity_bundle, \
+    parity_bundle_memory, score_stage
 from .config import DTYPES, CSAConfig, resolve_dtype
 from .validate import PARAM_NAMES, checkify_inputs, validate_inputs, validate_params
 
@@ -39,6 +40,7 @@ __all__ = [
     "indexer_loss",
     "indexer_loss_and_grads",
     "indexer_parity_bundle",
+    "parity_bundle_memory",
     "resolve_dtype",
     "score_stage",
     "validate_inputs",

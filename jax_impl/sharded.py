@@ -87,7 +87,7 @@ from .validate import FLOAT_INPUTS, INDEXER_INPUTS, INT_INPUTS, PARAM_NAMES, inp
     teacher_input_names
 
 __all__ = ["Layout", "check_mesh", "lower_loss_and_grads", "sharded_forward", "sharded_loss",
-           "sharded_loss_and_grads", "sharded_parity_bundle"]
+           "sharded_loss_and_grads", "sharded_parity_bundle", "sharded_parity_bundle_memory"]
 
 
 # --------------------------------------------------------------------------- validation
@@ -474,6 +474,17 @@ def sharded_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, mesh: Mesh
     input_grads)}, the last with `selection` imposed; `cfg.sparse_loss` is ignored."""
     args, lay = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis, selection)
     return _bundle_jit(*args, cfg, dtype, mesh, lay)
+
+
+def sharded_parity_bundle_memory(params, inputs, cfg: CSAConfig, dtype: str, mesh: Mesh, selection,
+                                 data_axis: str = "data", model_axis: str = "model",
+                                 seq_axis: str | None = None) -> dict[str, int] | None:
+    """`api.compiled_memory` of the program `sharded_parity_bundle` runs with these arguments (one
+    device's: temp, arguments, outputs); right after that call it compiles nothing."""
+    from .api import compiled_memory
+
+    args, lay = _prepare_sharded(params, inputs, cfg, dtype, mesh, data_axis, model_axis, seq_axis, selection)
+    return compiled_memory(_bundle_jit.lower(*args, cfg, dtype, mesh, lay))
 
 
 def lower_loss_and_grads(cfg: CSAConfig, dtype: str, mesh: Mesh, batch: int, seq_len: int,

@@ -814,7 +814,8 @@ PLUGIN = ("class CSAConfig(dict):\n    from_dict = classmethod(lambda cls, d: cl
           "def indexer_forward(params, inputs, cfg, dtype):\n    raise NotImplementedError\n")
 
 
-def _run_points_here(groups, reference, profile, init, jobs, timeout, on_done, error_records, started=(), prefetch=None):
+def _run_points_here(groups, reference, profile, init, jobs, timeout, on_done, error_records, started=(), prefetch=None,
+                     max_memory=None):
     """The CLI's workers, in this process (so the patched evaluation below is the one run)."""
     for group in groups:
         for point, entries in group:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import time
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time limit of one point (its implementation, reference and judging); a point "
                           "past it is an error and its worker is killed (default: CSA_PARITY_TIMEOUT or "
                           "600, over 40x the slowest point of the default matrix on a 2-core machine)")
+    run.add_argument("--max-memory", metavar="SIZE",
+                     help="resident memory one worker may hold (8GiB, 512MiB, bytes); a worker over it is killed "
+                          "and its point is an error that says its peak (default: no limit; a worker the kernel's "
+                          "OOM killer ends is reported the same way)")
     run.add_argument("--cache-dir", metavar="DIR",
                      help="where compiled programs and the live reference's outputs persist between runs "
                           "(default: CSA_PARITY_CACHE_DIR, else $XDG_CACHE_HOME/csa-parity, else "
@@ -135,6 +140,10 @@ def _check_selection(args) -> None:
         raise ValueError(f"--jobs={args.jobs} must be >= 1")
     if args.timeout is not None and not args.timeout > 0:
         raise ValueError(f"--timeout={args.timeout:g} must be a number of seconds > 0")
+    if getattr(args, "max_memory", None) is not None:
+        from ..sides.worker import parse_size
+
+        parse_size(args.max_memory)
 
 
 def _check_sources(args, listing: bool = False) -> None:
@@ -349,9 +358,10 @@ def run(args) -> int:
 
 def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     from ..sides.timing import COUNTS
-    from ..sides.worker import DEFAULT_TIMEOUT, run_points, timeout_from_env
+    from ..sides.worker import DEFAULT_TIMEOUT, parse_size, run_points, timeout_from_env
     from .report import (attach_reruns, cache_line, code_ties_text, error_lines, failure_lines, format_table,
-                         profile_lines, status_line, summarise, table, time_split, write_reports)
+                         memory_line, memory_summary, profile_lines, status_line, summarise, table, time_split,
+                         write_reports)
     from .tasks import error_records
 
     _check_sources(args, listing=args.list)
@@ -372,6 +382,7 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     splits: dict[str, dict] = {}  # point label -> harness.sides.timing.split
     cache_dir, fixtures_dir = init["cache_root"], init["fixtures_dir"]
     timeout = args.timeout if args.timeout is not None else timeout_from_env()
+    max_memory = None if args.max_memory is None else parse_size(args.max_memory)
     _init_worker(args.precision, fixtures_dir)
     jobs = args.jobs
     device = None
@@ -404,6 +415,7 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
         "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes", "teachers",
                                                     "backends", "full", "sample")},
         "timeout_s": timeout,
+        "max_memory_bytes": max_memory,
     }
 
     def cache_meta() -> dict:
@@ -414,6 +426,7 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
         points = {"total": n_points, "run": len(walls), "wall_sum_s": round(sum(w for w, _ in walls), 2),
                   "slowest": [[label, round(w, 2)] for w, label in slowest], "by_point": dict(sorted(splits.items()))}
         points["time_split_s"] = time_split({"points": points})
+        points["memory"] = memory_summary(splits)
         return {**meta, "wall_s": time.time() - began, "cache": cache_meta(), "points": points,
                 "partial": None if partial is None else {"reason": partial, "points_run": len(walls),
                                                          "points_total": n_points}}
@@ -433,7 +446,11 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     rerun_timeout = None if timeout == DEFAULT_TIMEOUT else timeout
 
     def done(point, point_entries, point_records, wall, split=None):
-        records.extend(attach_reruns(point_records, args.reference, args.precision, rerun_timeout, fixtures_dir))
+        attach_reruns(point_records, args.reference, args.precision, rerun_timeout, fixtures_dir)
+        for rec in point_records:  # the limit changes the outcome: the rerun keeps it
+            if rec.get("rerun") and max_memory is not None and rec["rerun"].startswith(("csa-parity", "CSA_")):
+                rec["rerun"] += f" --max-memory {shlex.quote(args.max_memory)}"
+        records.extend(point_records)
         walls.append((wall, point.label))
         if split is not None and "torch_cpu_capability" in split:  # the live reference's kernel level
             meta["platform"]["torch_cpu_capability"] = split.pop("torch_cpu_capability")
@@ -449,7 +466,7 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         run_points(ordered, args.reference, args.precision, init, jobs, timeout, done, error_records,
-                   started=started, prefetch=prefetch)
+                   started=started, prefetch=prefetch, max_memory=max_memory)
     except KeyboardInterrupt:
         interrupted = "interrupted (Ctrl-C)", 130
     except _Interrupted:
@@ -488,6 +505,7 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     for line in error_lines(summary)[:20]:  # one line per error (a crash is one line, not one per quantity)
         print("ERROR", line)
     print(cache_line(meta))
+    print(memory_line(meta))
     if args.profile:
         print("\n".join(profile_lines(meta)))
     slowest = meta["points"]["slowest"]

@@ -404,6 +404,39 @@ def write_reports(records: list[dict], meta: dict, out_dir: str, heatmap_too: bo
     return paths
 
 
+def memory_summary(by_point: dict) -> dict:
+    """The largest peak resident size of a worker at a point and the largest compiled temp of a
+    point's programs (harness.sides.worker.run_points' splits), with the points they were at."""
+    out = {}
+    for key, name in (("peak_rss_bytes", "peak_rss"), ("compiled_temp_bytes", "compiled_temp")):
+        seen = [(split[key], label) for label, split in by_point.items() if split.get(key) is not None]
+        top = max(seen, default=(None, None))
+        out[f"{name}_bytes"], out[f"{name}_at"] = top
+    return out
+
+
+def memory_line(meta: dict) -> str:
+    """`memory: peak worker RSS 1.21 GiB (<point>); largest compiled temp 0.05 GiB (<point>); no
+    limit (--max-memory)`."""
+    memory = (meta.get("points") or {}).get("memory") or {}
+
+    def at(key: str) -> str:
+        size = memory.get(f"{key}_bytes")
+        return "not measured" if size is None else f"{size_text(size)} ({memory.get(f'{key}_at')})"
+
+    limit = meta.get("max_memory_bytes")
+    return (f"memory: peak worker RSS {at('peak_rss')}; largest compiled temp {at('compiled_temp')}; "
+            + ("no limit (--max-memory)" if limit is None else f"limit {size_text(limit)} a worker (--max-memory)"))
+
+
+def size_text(nbytes: int) -> str:
+    """`1.21 GiB`, `12.0 MiB`, `7.7 KiB`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
 def device_line(platform: dict) -> str:
     """What a reader compares two reports by: the device, its software, and the tolerances
     applied (harness.run.cli.platform_info)."""
@@ -454,6 +487,7 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         f"wall time {meta.get('wall_s', 0):.1f} s",
         *([f"- {cache_line(meta)}; time per share, summed over the points (s): "
            + ", ".join(f"{k} {v:.1f}" for k, v in time_split(meta).items())] if "cache" in meta else []),
+        *([f"- {memory_line(meta)}"] if "cache" in meta else []),
         f"- top-k: {summary['topk_excused_ties']} set differences excused as boundary ties, "
         f"{summary['topk_unexcused']} unexcused; sparse end-to-end checks excused for tie flips: "
         f"{summary['sparse_end_to_end_excused']}",

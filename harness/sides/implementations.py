@@ -202,6 +202,9 @@ class ProtocolImplementation:
             with worker.stage(f"{self.name} indexer_parity_bundle{tag}", point.label):
                 values = bundle_values(bundle(problem.params, problem.inputs, dense_cfg, point.dtype, selection,
                                               **extra))
+                memory = getattr(self.api, "parity_bundle_memory", None)  # optional: the program's compiled temp
+                if callable(memory):
+                    timing.note_temp(memory(problem.params, problem.inputs, dense_cfg, point.dtype, selection, **extra))
         else:
             # One call at a time, each owning its quantities: a loss that raises leaves the forward judged.
             if self._has("indexer_forward"):
@@ -252,6 +255,9 @@ class ProtocolImplementation:
         with worker.stage(f"{self.name} sharded_parity_bundle", point.label):
             values = bundle_values(sharded.sharded_parity_bundle(problem.params, problem.inputs, cfg, point.dtype,
                                                                  mesh, problem.oracle_selection))
+            memory = getattr(sharded, "sharded_parity_bundle_memory", None)
+            if callable(memory):
+                timing.note_temp(memory(problem.params, problem.inputs, cfg, point.dtype, mesh, problem.oracle_selection))
         missing = self.missing(point)
         if quantized:  # float64, on its own codes, which the sharded bundle does not return
             missing.update({q: f"{self.name}'s sharded bundle returns no codes (one device's run judges them)"
@@ -876,10 +882,14 @@ def _cached_jax(case: str, point: Point, directory: str | None) -> Outputs:
     stored = reference_cache.load(key)
     if isinstance(stored, dict):
         timing.count("outputs_loaded")
+        for temp in stored.get("compiled_temps", []):  # what its programs' memory analysis said when they ran
+            timing.note_temp({"temp": temp})
         return Outputs(stored["source"], stored["values"], stored["missing"])
+    mark = timing.temps_mark()
     out = implementation("jax").run(problem, point)
     if not out.error and not out.errors and not out.not_applicable:
-        reference_cache.store(key, {"source": out.source, "values": dict(out.values), "missing": dict(out.missing)})
+        reference_cache.store(key, {"source": out.source, "values": dict(out.values), "missing": dict(out.missing),
+                                    "compiled_temps": timing.temps_since(mark)})
     return out
 
 

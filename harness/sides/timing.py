@@ -112,6 +112,32 @@ def listen() -> None:
     _LISTENING = True
 
 
+_TEMPS: list[int] = []  # the compiled temp (bytes) of each program this process ran since `take_temps`
+
+
+def note_temp(memory: dict | None) -> None:
+    """A program ran here whose XLA memory analysis is `memory` (jax_impl.api.compiled_memory;
+    None: the backend gives none)."""
+    if memory is not None:
+        _TEMPS.append(int(memory["temp"]))
+
+
+def temps_mark() -> int:
+    return len(_TEMPS)
+
+
+def temps_since(mark: int) -> list[int]:
+    """The temps noted since `temps_mark()` returned `mark`."""
+    return _TEMPS[mark:]
+
+
+def take_temps() -> list[int]:
+    """The temps noted since the last call (a worker's point), and none kept."""
+    out = list(_TEMPS)
+    _TEMPS.clear()
+    return out
+
+
 def count(event: str) -> None:
     """One more `event` in this process (`references_loaded`, `references_computed`, `outputs_loaded`)."""
     _EVENTS[event] += 1

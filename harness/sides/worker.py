@@ -50,6 +50,13 @@ DEFAULT_TIMEOUT = 600.0
 # How often one point is run again in a fresh worker after a crash or a time-out inside a
 # known call (each time with every poisoned call raising instead of running).
 MAX_RERUNS = 3
+# How often the parent reads a busy worker's memory (/proc/<pid>/status). The point's peak is the
+# kernel's high-water mark (VmHWM, reset as the point starts), exact whenever it is read; the
+# memory limit (`csa-parity run --max-memory`) is held against the resident size (VmRSS) at each
+# read, so a worker passes it by at most what it allocates in POLL_S before it is killed.
+# RLIMIT_AS is no limit here: XLA reserves far more address space than it ever touches.
+POLL_S = 0.1
+GIB = 2**30
 
 
 class WorkerCrash(Exception):
@@ -208,10 +215,14 @@ def _main(conn, init: dict) -> None:
         if msg[0] == "point":
             _, entries, reference, profile, _ = msg
             before, start = ahead or (timing.snapshot(), time.perf_counter())
+            if ahead is None:
+                timing.take_temps()  # (after a prefetch, its programs' are the first point's)
             ahead = None
             records = resolve(init["task"])(entries, reference, profile)
             release_programs()
             split = timing.split(before, timing.snapshot())
+            temps = timing.take_temps()
+            split["compiled_temp_bytes"] = max(temps) if temps else None
             from ..platforms import torch_cpu_capability
 
             capability = torch_cpu_capability()  # where the point's reference imported torch
@@ -239,6 +250,72 @@ def _main(conn, init: dict) -> None:
 
 
 # --------------------------------------------------------------------------- the parent's side
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def process_memory(pid: int) -> tuple[int, int] | None:
+    """(resident size VmRSS, its high-water mark VmHWM) of process `pid` in bytes, or None where
+    /proc does not say (the process is gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def reset_peak(pid: int) -> None:
+    """Reset the high-water mark of process `pid` to its resident size now (Linux: 5 written to
+    /proc/<pid>/clear_refs); where that is refused the mark stays the process's peak so far."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this process's memory cgroup (the
+    `oom_kill` counter: cgroup v2 memory.events, v1 memory.oom_control), or None where none is
+    readable. A worker killed by SIGKILL while it rises was the OOM killer's."""
+    paths = []
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if not controllers:
+                    paths.append(f"/sys/fs/cgroup{path.rstrip('/')}/memory.events")
+                elif "memory" in controllers.split(","):
+                    paths.append(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.oom_control")
+    for path in [*paths, "/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"]:
+        try:
+            with open(path) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `8GiB`, `512MiB`, `1.5G`, `100M`, `64K` or a number of bytes; ValueError
+    (naming the value and the rule) for anything else or a size not > 0."""
+    units = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+             "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+    body = str(text).strip()
+    number = body.rstrip("BbKkMmGgTtIi")
+    unit = body[len(number):].upper()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        value = float("nan")
+    if not value >= 1:
+        raise ValueError(f"--max-memory={text!r} must be a size > 0: a number of bytes or one with a unit "
+                         "(K, M, G, T, as KiB, MiB, GiB, TiB), e.g. 8GiB")
+    return int(value)
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -276,6 +353,40 @@ class _Worker:
         self.startup = 0.0  # seconds from spawn to ready: charged to the first point it answers
         self.device = None  # what harness.platforms.device_info found in it (init["device_info"])
         self.grace = 0.0  # seconds beyond the time limit while it works ahead (a prefetch), 0 after
+        self.peak = 0  # bytes: the highest resident size read since its point began
+        self.oom_base = None  # oom_kills() as its point began
+        self.over = None  # the memory limit it was killed over, None if it was not
+
+    def begin_point(self) -> None:
+        """Its point starts: the peak is measured from here."""
+        reset_peak(self.proc.pid)
+        self.peak, self.oom_base = 0, oom_kills()
+
+    def watch(self, limit: int | None) -> bool:
+        """Read its memory now (its peak); over `limit` bytes, kill it and return True."""
+        memory = process_memory(self.proc.pid)
+        if memory is None:
+            return False
+        self.peak = max(self.peak, *memory)
+        if limit is not None and memory[0] > limit and self.proc.is_alive():
+            self.over = limit
+            self.proc.kill()
+            self.proc.join(5)
+            return True
+        return False
+
+    def death(self) -> str:
+        """What ended it (after it died at a point): out of memory over the limit or by the
+        kernel's OOM killer, with its peak, or the signal or exit code."""
+        if self.over is not None:
+            return f"out of memory: peak {gib(self.peak)} (limit {gib(self.over)})"
+        if self.proc.exitcode == -signal.SIGKILL:
+            now = oom_kills()
+            if now is not None and self.oom_base is not None and now > self.oom_base:
+                return f"out of memory: killed by the kernel's OOM killer, peak {gib(self.peak)}"
+            return (f"worker killed by signal SIGKILL (peak {gib(self.peak)}; the kernel's OOM killer sends it "
+                    "when memory runs out)")
+        return describe_exit(self.proc.exitcode)
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -363,24 +474,28 @@ def _ready(w: _Worker) -> _Worker:
 
 
 def run_points(groups, reference: str, profile: str, init: dict, jobs: int, timeout: float, on_done,
-               error_records, started=(), prefetch: tuple | None = None) -> None:
+               error_records, started=(), prefetch: tuple | None = None, max_memory: int | None = None) -> None:
     """Evaluate every point of `groups` (lists of (point, entries), one (implementation, case,
     dtype) each) in `jobs` persistent workers: each point's entries go to the task `init["task"]`
     names (`module:function(entries, reference, profile) -> records`), imported by the worker
     at its start. `on_done(point, entries, records, wall_s, split)` as
-    each point ends (`split`: harness.sides.timing.split's shares and program counts; None for a point
-    that crashed or timed out). A worker that dies, or runs one point longer than `timeout` seconds (then
+    each point ends (`split`: harness.sides.timing.split's shares and program counts; for a point
+    that crashed or timed out, only its memory). A worker that dies, or runs one point longer than `timeout` seconds (then
     it is killed), is replaced; the point runs again with the call it was in poisoned (up to
     MAX_RERUNS times), or, if it died outside any call, gets `error_records(entries, line)` as a
     whole. `started`: workers of `spawn` (same `init`) to use first; every one is ended when this
     returns. `prefetch`: (`module:function`, args, seconds) each first worker runs before its first
     point (harness.sides.implementations.prefetch: the programs of every point compiled in threads,
     where one worker runs them all), within `seconds`; the first point's time limit starts when it
-    ends."""
+    ends. `max_memory`: bytes of resident memory a worker may hold (None: no limit); over it, it is
+    killed and its point is handled as a death in the call it was in (`_Worker.death`'s line).
+    Every point's `split` gets `peak_rss_bytes`, its worker's peak resident size (over its reruns),
+    and `compiled_temp_bytes`, the largest compiled temp of the programs it ran (None: none said)."""
     pending = deque(deque(g) for g in groups if g)
     started = list(started)
     poison: dict[tuple[str, str], str] = {}
     reruns: dict = {}
+    peaks: dict = {}  # point -> the peak of the runs of it that died
     slots: list[tuple[_Worker, deque]] = []
     try:
         for _ in range(min(jobs, len(pending))):
@@ -398,6 +513,7 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                     if queue:
                         w.task = queue.popleft()
                         w.started, w.last = time.monotonic(), None
+                        w.begin_point()
                         try:
                             w.conn.send(("point", w.task[1], reference, profile, dict(poison)))
                         except OSError:  # it died between points: noticed below as a death
@@ -411,7 +527,7 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
             if not slots:
                 break
             now = time.monotonic()
-            wait_s = max(0.0, min(w.started + timeout + w.grace - now for w, _ in slots))
+            wait_s = min(POLL_S, max(0.0, min(w.started + timeout + w.grace - now for w, _ in slots)))
             mpc.wait([w.conn for w, _ in slots] + [w.proc.sentinel for w, _ in slots], timeout=wait_s)
             for i, (w, queue) in enumerate(list(slots)):
                 for msg in w.messages():
@@ -422,7 +538,9 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                     elif msg[0] == "done":
                         point, entries = w.task
                         w.task = None
-                        split = {**msg[4], "startup": round(w.startup, 3)}
+                        w.watch(None)  # idle now: its high-water mark is the point's peak
+                        split = {**msg[4], "startup": round(w.startup, 3),
+                                 "peak_rss_bytes": max(w.peak, peaks.pop(point, 0))}
                         w.startup = 0.0
                         on_done(point, entries, msg[1], msg[2], split)
                         if msg[3]:  # it ran out of memory: a fresh one takes its next point
@@ -430,13 +548,15 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                             slots[i] = (_start({**init, "poison": poison}), queue) if queue or pending else None
                 if w.task is None:
                     continue
+                w.watch(max_memory)
                 elapsed = time.monotonic() - w.started
                 if w.proc.is_alive() and elapsed <= timeout + w.grace:
                     continue
                 what = (f"timed out after {timeout + w.grace:g} s" + (" (working ahead)" if w.grace else "")
-                        if w.proc.is_alive() else describe_exit(w.proc.exitcode))
+                        if w.proc.is_alive() else w.death())
                 w.kill()
                 point, entries = w.task
+                peaks[point] = max(peaks.get(point, 0), w.peak)
                 line = crash_line(what, point.label, w.last)
                 tries = reruns.get(point, 0)
                 if w.last is not None and tries < MAX_RERUNS:
@@ -444,7 +564,8 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                     reruns[point] = tries + 1
                     queue.appendleft(w.task)
                 else:
-                    on_done(point, entries, error_records(entries, line), elapsed, None)
+                    on_done(point, entries, error_records(entries, line), elapsed,
+                            {"peak_rss_bytes": peaks.pop(point), "compiled_temp_bytes": None})
                 slots[i] = (_start({**init, "poison": poison}), queue) if queue or pending else None
             slots = [s for s in slots if s is not None]
     finally:

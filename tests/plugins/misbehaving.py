@@ -49,6 +49,24 @@ def _exceed_memory():
     np.ones(2**31)
 
 
+def _grow():
+    # Memory the worker really touches, 64 MiB at a time, until something ends it: the parent's
+    # --max-memory limit (a kill), else a cap of 4 GiB more than it held (a MemoryError).
+    held, start = [], time.monotonic()
+    while len(held) < 64:
+        held.append(np.ones(2**23))
+        time.sleep(0.01)
+    raise MemoryError(f"grew 4 GiB in {time.monotonic() - start:.1f} s and nothing stopped it")
+
+
+def grow_task(entries, reference, profile):
+    """A point task of harness.sides.worker.run_points: at a point whose entries are ["grow"] it
+    grows (`_grow`), at any other it returns its entries as its records."""
+    if entries == ["grow"]:
+        _grow()
+    return list(entries)
+
+
 def _hang():
     marker = os.environ.get("CSA_TEST_HANG_MARKER")
     if marker:  # tells the test that the run has reached this point
@@ -71,6 +89,7 @@ hard_exit = _misbehaving(_hard_exit)
 oom_kill = _misbehaving(_oom_kill)
 exceed_memory = _misbehaving(_exceed_memory)
 hang = _misbehaving(_hang)
+grow = _misbehaving(_grow)
 
 
 def _ragged_scores(q, keys, head_weights):
