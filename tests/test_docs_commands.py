@@ -54,6 +54,7 @@ HOW = {
     "csa-parity run --impl examples.pallas_scores --cases tiny,small --dtypes float32,bfloat16": LIST,
     "csa-parity run --impl examples.scores_kernel --cases tiny": LIST,
     "csa-parity run --jobs 2 --timeout 120": LIST,
+    "csa-parity run --max-memory 8GiB": LIST,
     "csa-parity run --precision default": LIST,
     "csa-parity run --reference goldens": LIST,
     "csa-parity run --sample ci": LIST,

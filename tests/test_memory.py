@@ -88,3 +88,32 @@ def test_the_benchmark_prints_the_same_bound():
     assert bench.FLOOR_FACTOR == FLOOR_FACTOR
     assert bench.grows_no_worse_than_linearly is memory_bounds.grows_no_worse_than_linearly
     assert memory_bounds.grows_no_worse_than_linearly([(1, 0, 0), (2, 100, 100)])[1] == 100 / (100 * MEMORY_GROWTH_SLACK)
+
+
+def test_the_bundle_memory_after_a_call_compiles_nothing():
+    """jax_impl.parity_bundle_memory (a point's `compiled_temp_bytes` in parity.json) reads the
+    program indexer_parity_bundle has just run: JAX's caches serve it, with no backend compile,
+    and its figures are that program's memory analysis."""
+    import jax
+    from jax import monitoring
+
+    import jax_impl
+    from harness.points import Point
+    from harness.sides.implementations import fixture, run_config
+
+    prob = fixture("tiny")
+    cfg = CSAConfig(**run_config(prob.config, Point("tiny", "float32", qchunk=5), False))
+    jax.block_until_ready(jax_impl.indexer_parity_bundle(prob.params, prob.inputs, cfg, "float32",
+                                                         prob.oracle_selection))
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        memory = jax_impl.parity_bundle_memory(prob.params, prob.inputs, cfg, "float32", prob.oracle_selection)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [] and memory["temp"] > 0 and memory["argument"] > 0, (compiles, memory)
