@@ -353,21 +353,21 @@ class _Worker:
         self.startup = 0.0  # seconds from spawn to ready: charged to the first point it answers
         self.device = None  # what harness.platforms.device_info found in it (init["device_info"])
         self.grace = 0.0  # seconds beyond the time limit while it works ahead (a prefetch), 0 after
-        self.peak = 0  # bytes: the highest resident size read since its point began
+        self.peak = None  # bytes: the highest resident size read since its point began (None: none read)
         self.oom_base = None  # oom_kills() as its point began
         self.over = None  # the memory limit it was killed over, None if it was not
 
     def begin_point(self) -> None:
         """Its point starts: the peak is measured from here."""
         reset_peak(self.proc.pid)
-        self.peak, self.oom_base = 0, oom_kills()
+        self.peak, self.oom_base = None, oom_kills()
 
     def watch(self, limit: int | None) -> bool:
         """Read its memory now (its peak); over `limit` bytes, kill it and return True."""
         memory = process_memory(self.proc.pid)
         if memory is None:
             return False
-        self.peak = max(self.peak, *memory)
+        self.peak = max(self.peak or 0, *memory)
         if limit is not None and memory[0] > limit and self.proc.is_alive():
             self.over = limit
             self.proc.kill()
@@ -378,13 +378,14 @@ class _Worker:
     def death(self) -> str:
         """What ended it (after it died at a point): out of memory over the limit or by the
         kernel's OOM killer, with its peak, or the signal or exit code."""
+        peak = "unknown" if self.peak is None else gib(self.peak)
         if self.over is not None:
-            return f"out of memory: peak {gib(self.peak)} (limit {gib(self.over)})"
+            return f"out of memory: peak {peak} (limit {gib(self.over)})"
         if self.proc.exitcode == -signal.SIGKILL:
             now = oom_kills()
             if now is not None and self.oom_base is not None and now > self.oom_base:
-                return f"out of memory: killed by the kernel's OOM killer, peak {gib(self.peak)}"
-            return (f"worker killed by signal SIGKILL (peak {gib(self.peak)}; the kernel's OOM killer sends it "
+                return f"out of memory: killed by the kernel's OOM killer, peak {peak}"
+            return (f"worker killed by signal SIGKILL (peak {peak}; the kernel's OOM killer sends it "
                     "when memory runs out)")
         return describe_exit(self.proc.exitcode)
 
@@ -539,8 +540,9 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                         point, entries = w.task
                         w.task = None
                         w.watch(None)  # idle now: its high-water mark is the point's peak
+                        known = [p for p in (w.peak, peaks.pop(point, None)) if p is not None]
                         split = {**msg[4], "startup": round(w.startup, 3),
-                                 "peak_rss_bytes": max(w.peak, peaks.pop(point, 0))}
+                                 "peak_rss_bytes": max(known) if known else None}
                         w.startup = 0.0
                         on_done(point, entries, msg[1], msg[2], split)
                         if msg[3]:  # it ran out of memory: a fresh one takes its next point
@@ -556,7 +558,8 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                         if w.proc.is_alive() else w.death())
                 w.kill()
                 point, entries = w.task
-                peaks[point] = max(peaks.get(point, 0), w.peak)
+                if w.peak is not None:
+                    peaks[point] = max(peaks.get(point) or 0, w.peak)
                 line = crash_line(what, point.label, w.last)
                 tries = reruns.get(point, 0)
                 if w.last is not None and tries < MAX_RERUNS:
@@ -565,7 +568,7 @@ def run_points(groups, reference: str, profile: str, init: dict, jobs: int, time
                     queue.appendleft(w.task)
                 else:
                     on_done(point, entries, error_records(entries, line), elapsed,
-                            {"peak_rss_bytes": peaks.pop(point), "compiled_temp_bytes": None})
+                            {"peak_rss_bytes": peaks.pop(point, None), "compiled_temp_bytes": None})
                 slots[i] = (_start({**init, "poison": poison}), queue) if queue or pending else None
             slots = [s for s in slots if s is not None]
     finally:
