@@ -286,3 +286,16 @@ def test_a_bad_max_memory_is_one_line_exit_2(text, capsys):
     assert capsys.readouterr().err.strip() == (
         f"csa-parity: error: --max-memory={text!r} must be a size > 0: a number of bytes or one with a unit "
         "(K, M, G, T, as KiB, MiB, GiB, TiB), e.g. 8GiB")
+
+
+def test_the_reports_name_the_largest_peak_and_temp():
+    by_point = {"a": {"peak_rss_bytes": 3 * 2**29, "compiled_temp_bytes": None},
+                "b": {"peak_rss_bytes": 2**29, "compiled_temp_bytes": 5 * 2**20}, "c": {"run": 1.0}}
+    memory = report_module.memory_summary(by_point)
+    assert memory == {"peak_rss_bytes": 3 * 2**29, "peak_rss_at": "a", "compiled_temp_bytes": 5 * 2**20,
+                      "compiled_temp_at": "b"}
+    meta = {"points": {"by_point": by_point, "memory": memory}, "max_memory_bytes": 2**31}
+    assert report_module.memory_line(meta) == ("memory: peak worker RSS 1.50 GiB (a); largest compiled temp "
+                                               "5.0 MiB (b); limit 2.00 GiB a worker (--max-memory)")
+    assert report_module.memory_table(meta)[-2:] == ["| a | 1.50 GiB | - |", "| b | 512.0 MiB | 5.0 MiB |"]
+    assert report_module.memory_table({"points": {"by_point": {"c": {"run": 1.0}}}}) == []

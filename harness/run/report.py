@@ -526,8 +526,29 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         lines += ["## Failures", ""] + [f"- `{r['id']}`: {r['message']}{rerun(r.get('rerun'))}" for r in failures[:200]]
         if len(failures) > 200:
             lines.append(f"- ... and {len(failures) - 200} more (parity.json has all)")
+    memory = memory_table(meta)
+    lines += ([""] if memory and lines[-1] else []) + memory
     lines += ["", "![worst ratio per chunk size and dtype](parity_heatmap.png)", ""]
     return "\n".join(lines)
+
+
+MEMORY_ROWS = 10  # parity.md's memory table: the points of the largest peaks (parity.json has every point's)
+
+
+def memory_table(meta: dict) -> list[str]:
+    """parity.md's `## Memory` section: the MEMORY_ROWS points of the largest worker peak, with the
+    compiled temp of their program; nothing when no point reported a peak."""
+    by_point = (meta.get("points") or {}).get("by_point") or {}
+    rows = sorted(((split["peak_rss_bytes"], label, split.get("compiled_temp_bytes"))
+                   for label, split in by_point.items() if split.get("peak_rss_bytes") is not None), reverse=True)
+    if not rows:
+        return []
+    lines = [f"## Memory: worker peak and compiled temp, the largest {min(len(rows), MEMORY_ROWS)} of {len(rows)} points",
+             "",
+             "| point | peak worker RSS | compiled temp |", "|---|---:|---:|"]
+    lines += [f"| {label} | {size_text(peak)} | {'-' if temp is None else size_text(temp)} |"
+              for peak, label, temp in rows[:MEMORY_ROWS]]
+    return lines
 
 
 def heatmap(records: list[dict], path: str, summary: dict | None = None) -> None:
