@@ -43,12 +43,11 @@ def _package_path(*parts: str) -> Path:
 
 
 def source_tree() -> Path | None:
-    """The repository root when `harness` was imported from a clone (or its editable
-    install): the directory holding pyproject.toml and fixtures/ beside harness/; else None."""
+    """The directory holding `harness/` when a fixture set lies beside it, `fixtures/` with its
+    MANIFEST.json: a clone, its editable install, or a copy of the harness made the same way (the
+    judge's mutation self-test links one); else None."""
     root = _package_path().parent
-    if (root / "pyproject.toml").is_file() and (root / "fixtures" / MANIFEST_NAME).is_file():
-        return root
-    return None
+    return root if (root / "fixtures" / MANIFEST_NAME).is_file() else None
 
 
 def packaged_fixtures_dir() -> Path:
