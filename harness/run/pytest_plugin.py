@@ -207,7 +207,6 @@ def pytest_configure(config):
             raise pytest.UsageError(f"--csa-parity-fixtures={options.fixtures!r} is not a directory")
         os.environ[FIXTURES_ENV] = options.fixtures
     harness.pin_cpu_kernels()
-    prepare_jax(options.precision)
     config.stash[_OPTIONS] = options
 
 
@@ -229,6 +228,9 @@ class ParityEntry(pytest.Item):
         self.entry, self.options = entry, options
         for mark in entry_marks(entry):
             self.add_marker(mark)
+
+    def setup(self) -> None:
+        prepare_jax(self.options.precision)  # in the process that runs entries (not xdist's controller)
 
     def runtest(self) -> None:
         check_entry(self.entry, self.options)
