@@ -45,6 +45,8 @@ import numpy as np
 
 from harness.judging.memory_bounds import grows_no_worse_than_linearly
 from harness.judging.tolerance import MEMORY_FLOOR_FACTOR
+# Also read from here by tests/test_memory.py, tests/test_query_chunk.py, scripts/measure_tolerances.py
+# and the other benchmarks.
 from harness.sides.compiled_memory import (TEST_BATCH, TEST_SEQ, TEST_SHAPE, analytic_floor,  # noqa: F401
                                            compile_grad, compiled_temp_bytes, ynn_scratch_bytes)
 from jax_impl import CSAConfig, resolve_dtype
