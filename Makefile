@@ -56,7 +56,8 @@ parity: $(STAMP)
 # alone, both pass), the gradient checks, the training trajectories, the fixtures' regeneration
 # and --check, and the caches (here, they even out the two processes' times: with the fixtures
 # and caches in the main one, .ci/run's main process ended after 1525 s, the side one after
-# 1281 s); then the sharded slice (8 simulated devices, set before JAX
+# 1281 s), and the installed wheel (tests/test_installed.py: a wheel built and installed into a
+# venv outside the clone, run as a user runs it); then the sharded slice (8 simulated devices, set before JAX
 # starts), all on the same sample as the main process. The main process ends with the
 # two-process slice (the sequence-sharded points across two processes of 4 devices each,
 # harness.run.multihost).
@@ -70,7 +71,7 @@ SAMPLE ?= ci
 XDIST ?= 0
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
 	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_training.py tests/test_fixtures.py \
-	tests/test_caches.py
+	tests/test_caches.py tests/test_installed.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \

@@ -35,5 +35,16 @@ CPU_PINS = {"ATEN_CPU_CAPABILITY": TORCH_CPU_CAPABILITY.lower(), "ONEDNN_MAX_CPU
 # for ONEDNN_MAX_CPU_ISA; MKL_ENABLE_INSTRUCTIONS caps MKL's code path): a process that emulates
 # another CPU (harness.run.regenerate.ISA_VARIANTS) starts from an environment without any of them.
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
-for _name, _value in CPU_PINS.items():
-    os.environ.setdefault(_name, _value)
+
+
+def pin_cpu_kernels() -> tuple[str, ...]:
+    """Set each variable of CPU_PINS the environment leaves unset; returns the names it set."""
+    unset = tuple(name for name in CPU_PINS if name not in os.environ)
+    for name in unset:
+        os.environ[name] = CPU_PINS[name]
+    return unset
+
+
+# Pinned on import (the pytest plugin, harness.run.pytest_plugin, takes back what its own import set
+# until a matrix is asked for).
+PINNED_AT_IMPORT = pin_cpu_kernels()

@@ -33,6 +33,8 @@ import functools
 import os
 import sys
 
+from . import package_data
+
 BACKENDS = ("cpu", "gpu", "tpu")
 KINDS = ("forward", "topk", "loss", "grad", "isolation", "codes")  # harness.points.Entry.kind
 
@@ -286,7 +288,7 @@ def torch_cpu_capability() -> str | None:
 # (harness.judging.tolerance.Policy.oracle_factor). The checks that compare a device with
 # itself (chunk, xla, the sharded chunk check, exact64) never read it. No file: factor 1, the
 # CPU's bounds (every CPU run, and a device nobody has measured, which then fails loudly).
-PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+PROFILES_DIR = str(package_data.profiles_dir())  # package data of harness (harness.package_data)
 
 
 def profile_slug(backend: str, device_kind: str) -> str:

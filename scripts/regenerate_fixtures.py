@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Regenerate the committed fixtures (all, or --case NAME), or --check them.
 
-The same as `csa-parity fixtures [--check] [--case NAME]`; the work is done by
+The same as `csa-parity regenerate [--check] [--case NAME]`; the work is done by
 `harness.run.regenerate.regenerate`. Inputs and weights come from a seeded numpy
 generator and the goldens from torch_ref, single-threaded and deterministic, so
 a rerun writes byte-identical files. `--check` regenerates in memory, compares

@@ -25,7 +25,11 @@ import pytest
 
 os.environ.setdefault("JAX_ENABLE_X64", "1")
 
-import harness  # noqa: E402,F401  (pins torch's CPU kernels, harness.TORCH_CPU_CAPABILITY, before any test runs one)
+import harness  # noqa: E402
+
+# torch's CPU kernels, harness.TORCH_CPU_CAPABILITY, pinned before any test runs one (explicitly:
+# the pytest plugin, loaded before this file, took back what importing the harness pinned).
+harness.pin_cpu_kernels()
 
 
 def _share_one_compilation_cache() -> None:

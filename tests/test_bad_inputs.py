@@ -566,7 +566,7 @@ def _manifest_missing(d):
 
 
 CLI_FIXTURE_ERRORS = [
-    (_missing, ["tiny.safetensors is missing: run `python scripts/regenerate_fixtures.py --case tiny"]),
+    (_missing, ["tiny.safetensors is missing: run `csa-parity regenerate --case tiny"]),
     (_truncated, ["tiny.safetensors is truncated or corrupt (", "restore it with `git checkout --"]),
     (_not_safetensors, ["tiny.safetensors is truncated or corrupt (the header claims"]),
     (_old_schema, ["tiny.safetensors has schema version '0', this harness reads schema version 4"]),

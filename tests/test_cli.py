@@ -38,7 +38,7 @@ def test_run_writes_reports_and_passes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tiny" in proc.stdout and "0 failed" in proc.stdout
     data = json.loads((out / "parity.json").read_text())
-    assert data["schema_version"] == 8 and data["reference"] == "live"
+    assert data["schema_version"] == 9 and data["reference"] == "live"
     statuses = data["summary"]["statuses"]
     assert list(statuses) == ["passed", "failed", "excused", "not_provided", "not_applicable", "error"]
     assert sum(statuses.values()) == data["summary"]["checks"] and statuses["failed"] == 0

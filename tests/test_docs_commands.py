@@ -59,6 +59,18 @@ HOW = {
     "csa-parity run --reference goldens": LIST,
     "csa-parity run --sample ci": LIST,
     "csa-parity run --teachers compressed": LIST,
+    "csa-parity --version": RUN,
+    # an installed package's commands, in the user's own directory (tests/test_installed.py runs them there)
+    "csa-parity run --impl mykernel --cases tiny": HELP,
+    "csa-parity run --fixtures my_fixtures --cases tiny": HELP,
+    "csa-parity regenerate --fixtures-dir my_fixtures --case tiny": HELP,
+    "csa-parity regenerate --fixtures-dir DIR": HELP,
+    "csa-parity regenerate --fixtures-dir DIR [--case NAME] [--check]": HELP,
+    "csa-parity regenerate": HELP,
+    "csa-parity fixtures": HELP,
+    "csa-parity run --fixtures DIR": HELP,
+    "csa-parity run --impl mykernel": HELP,
+    "pytest --csa-parity-impl=mykernel --csa-parity-cases=tiny -n 2": HELP,
     "csa-parity run --cache-dir /tmp/c": LIST,
     "csa-parity run --profile": LIST,
     "csa-parity run --sample default --reference goldens --dtypes float32,bfloat16,float16 "
@@ -140,6 +152,8 @@ HOW = {
     # installs
     "pip install -c constraints.txt --extra-index-url https://download.pytorch.org/whl/cpu \"torch==2.13.0+cpu\"": PIP,
     "pip install -c constraints.txt -e '.[tpu]'": PIP,
+    "pip wheel --no-deps -c constraints.txt -w dist .": PIP,
+    "pip install -c constraints.txt \"dist/csa_parity-0.1.0-py3-none-any.whl[reference]\"": PIP,
 }
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -250,8 +264,8 @@ def test_the_commands_not_run_here_start_and_take_their_options():
                            capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr[-2000:]
     texts = json.loads(probe.stdout.splitlines()[-1])
-    cli = _bash("csa-parity run --help")
-    assert cli.returncode == 0, cli.stderr
+    cli, regen = _bash("csa-parity run --help"), _bash("csa-parity regenerate --help")
+    assert cli.returncode == 0 and regen.returncode == 0, cli.stderr + regen.stderr
     assert "imported from the current directory first" in " ".join(cli.stdout.split()), cli.stdout
     markers = {m.split(":")[0] for m in
                tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
@@ -259,7 +273,7 @@ def test_the_commands_not_run_here_start_and_take_their_options():
     for command in helps:
         words = shlex.split(command.replace("[", " ").replace("]", " "))
         if "csa-parity" in words:
-            text = cli.stdout
+            text = regen.stdout if "regenerate" in words else cli.stdout
         elif "pytest" in words:
             paths = [w for w in words if w.startswith("tests")]
             problems += [f"{command}: {p} does not exist" for p in paths if not (ROOT / p).exists()]

@@ -338,8 +338,8 @@ def _load_error(copy_dir, name="tiny") -> str:
 def test_error_missing_file(copy_dir):
     (copy_dir / "tiny.safetensors").unlink()
     msg = _load_error(copy_dir)
-    assert msg == (f"{copy_dir}/tiny.safetensors is missing: run `python "
-                   f"scripts/regenerate_fixtures.py --case tiny --fixtures-dir {copy_dir}`")
+    assert msg == (f"{copy_dir}/tiny.safetensors is missing: run "
+                   f"`csa-parity regenerate --case tiny --fixtures-dir {copy_dir}`")
 
 
 def test_error_missing_file_in_the_repo_names_the_plain_command(copy_dir, monkeypatch):
@@ -351,7 +351,7 @@ def test_error_missing_file_in_the_repo_names_the_plain_command(copy_dir, monkey
     with pytest.raises(FixtureError) as e:
         load_case("small")
     assert str(e.value) == ("fixtures/small.safetensors is missing: run "
-                            "`python scripts/regenerate_fixtures.py --case small`")
+                            "`csa-parity regenerate --case small`")
 
 
 def test_error_unknown_case():
@@ -383,7 +383,7 @@ def test_error_schema_version(copy_dir):
     _rewrite(copy_dir / "tiny.safetensors", metadata={"schema_version": "0"})
     msg = _load_error(copy_dir)
     assert f"tiny.safetensors has schema version '0', this harness reads schema version {SCHEMA_VERSION}: " \
-           "regenerate it with `python scripts/regenerate_fixtures.py --case tiny" in msg
+           "regenerate it with `csa-parity regenerate --case tiny" in msg
 
 
 def test_error_missing_tensor(copy_dir):
@@ -460,8 +460,8 @@ def test_error_sha_mismatch(copy_dir):
 def test_error_manifest_missing(copy_dir):
     (copy_dir / MANIFEST_NAME).unlink()
     msg = _load_error(copy_dir)
-    assert msg.startswith(f"{copy_dir}/MANIFEST.json is missing: run `python "
-                          f"scripts/regenerate_fixtures.py --fixtures-dir {copy_dir}`")
+    assert msg.startswith(f"{copy_dir}/MANIFEST.json is missing: run "
+                          f"`csa-parity regenerate --fixtures-dir {copy_dir}`")
 
 
 # --------------------------------------------------------------------------- golden invariants

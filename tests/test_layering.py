@@ -106,10 +106,11 @@ def test_the_private_import_check_sees_one(tmp_path):
 # --------------------------------------------------------------------------- inside the harness
 # Data flows one way: fixtures -> implementations -> outputs -> judge -> report, and the rooms
 # of harness/ follow it (docs/design.md). At the bottom, the vocabulary every room reads: the
-# package itself, harness.outputs, harness.points and harness.platforms. Then, each room importing
+# package itself, harness.outputs, harness.points, harness.platforms and harness.package_data (where
+# the data lies). Then, each room importing
 # only the bottom and the rooms before it:
 ROOMS = ("judging", "problems", "sides", "run", "selftest")
-BOTTOM = ("harness", "harness.outputs", "harness.points", "harness.platforms")
+BOTTOM = ("harness", "harness.outputs", "harness.points", "harness.platforms", "harness.package_data")
 FRAMEWORKS = {"jax", "jaxlib", "flax", "torch", "torch_ref", "jax_impl"}
 # Beyond the direction: the judging room sees arrays only (no framework, no runner, no fixture
 # code), and the problems' data (the catalogue, the matrix and the fixture format) sees files

@@ -67,3 +67,15 @@ def test_no_issue_numbers_or_dates_in_the_sources_and_docs():
             offenders[str(path.relative_to(ROOT))] = hits
     assert not offenders, ("say what is true now and why; history goes in CHANGELOG.md: "
                            + "; ".join(f"{p}: {', '.join(h)}" for p, h in offenders.items()))
+
+
+# The repository stands alone: the mathematics is docs/spec.md, and no file sends the reader to a
+# directory beside the clone, which a fresh clone does not have.
+OUTSIDE = re.compile(r"\.\./" + "shared")
+
+
+def test_no_file_names_a_directory_outside_the_repository():
+    assert OUTSIDE.search("see " + "../" + "shared/SPEC.md") and not OUTSIDE.search("docs/spec.md")
+    offenders = [str(p.relative_to(ROOT)) for p in [*_sources(), ROOT / "CHANGELOG.md"]
+                 if OUTSIDE.search(p.read_text(errors="replace"))]
+    assert not offenders, f"these name a path outside the repository (the mathematics is docs/spec.md): {offenders}"

@@ -1,5 +1,9 @@
 """The parity matrix: one test per entry of harness.problems.matrix, ids like
-`small-bfloat16-ichunk2-tchunk0-sparse-grad.indexer.wq_b`.
+`small-bfloat16-ichunk2-tchunk0-sparse-grad.indexer.wq_b`, over the project's own jax_impl.
+
+The entries, their ids, marks and xdist groups, and what a test does with its entry come from
+harness.run.pytest_plugin, the machinery the installed plugin runs a user's implementation with
+(`pytest --csa-parity-impl=mypkg.kernel`); this file only says which matrix.
 
 One pass from the id to the arrays: `collect` runs the implementation and the reference
 at the entry's point (harness.sides.implementations, cached per process), `judge` compares the
@@ -22,36 +26,18 @@ pallas backend's own sample of points (`csa-parity run --backends xla,pallas`) o
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from harness.judging.judge import judge
-from harness.outputs import NOT_APPLICABLE, NOT_PROVIDED
-from harness.problems.matrix import BACKENDS, SAMPLES, build_matrix
-from harness.run.collect import collect, policy
-from harness.run.report import failure_text
+from harness.problems.matrix import BACKENDS
+from harness.run.pytest_plugin import MatrixOptions, check_entry, matrix_params
 
-REFERENCE = os.environ.get("CSA_PARITY_REFERENCE", "live")
-PROFILE = os.environ.get("CSA_PARITY_PRECISION", "highest")  # conftest sets JAX's matmul precision to match
-SAMPLE = os.environ.get("CSA_PARITY_SAMPLE", "default")
-if SAMPLE not in SAMPLES:
-    raise pytest.UsageError(f"CSA_PARITY_SAMPLE={SAMPLE!r} is not a matrix sample (valid: {', '.join(SAMPLES)})")
+OPTIONS = MatrixOptions.from_env(impl="jax", backends=BACKENDS)
+try:
+    OPTIONS.validate()
+except ValueError as exc:
+    raise pytest.UsageError(f"CSA_PARITY_{exc}") from None
 
 
-def _param(entry):
-    marks = [pytest.mark.matrix, pytest.mark.xdist_group(entry.group), getattr(pytest.mark, entry.kind)]
-    if entry.point.chunked:
-        marks.append(pytest.mark.chunked)
-    return pytest.param(entry, id=entry.id, marks=marks)
-
-
-@pytest.mark.parametrize("entry", [_param(e) for e in build_matrix(sample=SAMPLE, backends=BACKENDS)])
+@pytest.mark.parametrize("entry", matrix_params(OPTIONS))
 def test_parity(entry):
-    outputs, references = collect(entry, REFERENCE)
-    results = judge(entry, outputs, references, policy(PROFILE))
-    assert not any(r.failed for r in results), failure_text(entry, results, REFERENCE, PROFILE,
-                                                            os.environ.get("CSA_PARITY_FIXTURES"))
-    unjudged = [r.message for r in results if r.status in (NOT_PROVIDED, NOT_APPLICABLE)]
-    if unjudged and len(unjudged) == len(results):
-        pytest.skip("; ".join(unjudged))
+    check_entry(entry, OPTIONS)

@@ -56,9 +56,9 @@ def test_the_command_names_the_point_and_every_option_that_changes_its_outcome(m
     one = dataclasses.replace(CASES["ragged"], teachers=("joint",))
     monkeypatch.setattr(harness.problems.cases, "CASES", {**CASES, "ragged": one})
     assert "--teachers" not in rerun_command(ragged, "dense")
-    # fixtures from another directory: the variable the CLI reads them from, before the command
-    assert rerun_command(Point("ragged", "float32"), "dense", fixtures_dir="/tmp/my fx").startswith(
-        "CSA_PARITY_FIXTURES='/tmp/my fx' csa-parity run --cases ragged")
+    # fixtures from another directory: --fixtures names them
+    assert rerun_command(Point("ragged", "float32"), "dense", fixtures_dir="/tmp/my fx").endswith(
+        "--impl jax --fixtures '/tmp/my fx'")
     # a stage plug-in's entries are not selected by --modes; an impl with a space is quoted
     assert rerun_command(Point("tiny", "float32"), "stage", "my kernels:k").endswith("--impl 'my kernels:k'")
     assert "--modes" not in rerun_command(Point("tiny", "float32"), "stage", "k")

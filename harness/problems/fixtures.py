@@ -47,14 +47,17 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .. import package_data
 from ..outputs import CODE_QUANTITIES, ROTATED_NAMES
 from .cases import CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, TEACHERS, Case
 
 SCHEMA_VERSION = 4
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FIXTURES_DIR = REPO_ROOT / "fixtures"
-MANIFEST_NAME = "MANIFEST.json"
-REGENERATE = "python scripts/regenerate_fixtures.py"
+# The default set: the repository's fixtures/ in a clone, harness/fixtures in an installed wheel
+# (harness.package_data, the one module that locates the harness's data).
+FIXTURES_DIR = package_data.packaged_fixtures_dir()
+MANIFEST_NAME = package_data.MANIFEST_NAME
+REGENERATE = package_data.REGENERATE_COMMAND
 
 GOLDEN_DTYPES = ("float64", "float32", "bfloat16", "float16")  # the oracle first
 LOW_DTYPES = ("float32", "bfloat16", "float16")

@@ -1,4 +1,4 @@
-"""`csa-parity`: the main job (`run`) and the fixture tools (`fixtures`).
+"""`csa-parity`: the main job (`run`) and the fixture tools (`regenerate`).
 
 User errors (an unknown case, a chunk that does not divide the heads, a plug-in
 that cannot be loaded, an unwritable report or cache directory, a damaged fixture) exit
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import regenerate
 
     p = argparse.ArgumentParser(prog="csa-parity", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the parity matrix and write reports (the main job)")
     run.add_argument("--cases", type=_csv(str), help="comma-separated case names (default: all)")
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--precision", default="highest", choices=["highest", "default"],
                      help="JAX default matmul precision for the run, and the tolerance profile it is "
                      "judged with (harness/judging/tolerance.py; default: highest)")
+    run.add_argument("--fixtures", metavar="DIR",
+                     help="the fixture set to judge against (default: the repository's fixtures/ in a clone, the "
+                          "installed package's own set otherwise; CSA_PARITY_FIXTURES); the reports name the set "
+                          "and its MANIFEST.json's sha256")
     run.add_argument("--out", default="reports", help="report directory (default: reports)")
     run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -83,9 +88,32 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--list", action="store_true",
                      help="print the selection (cases, dtypes, chunk points, entries, compiled programs) and "
                           "exit without running it")
-    fx = sub.add_parser("fixtures", help="regenerate or --check the committed fixtures")
+    fx = sub.add_parser("regenerate", aliases=["fixtures"],
+                        help="write a fixture set (the torch reference's goldens: needs the reference extra) into "
+                             "--fixtures-dir DIR, or --check one")
     regenerate.add_arguments(fx)
     return p
+
+
+def version_line() -> str:
+    """`csa-parity --version`: this package's version and the frameworks' (harness.package_data.versions)."""
+    from ..package_data import versions
+
+    v = versions()
+    return f"csa-parity {v['csa-parity']} (" + ", ".join(f"{k} {v[k]}" for k in ("jax", "jaxlib", "torch")) + ")"
+
+
+def _use_fixtures(args) -> None:
+    """--fixtures DIR: the set every process of the run reads (CSA_PARITY_FIXTURES, which the
+    workers inherit and harness.sides.implementations reads)."""
+    from ..package_data import FIXTURES_ENV
+
+    if getattr(args, "fixtures", None) is None:
+        return
+    if not os.path.isdir(args.fixtures):
+        raise ValueError(f"--fixtures={args.fixtures!r} is not a directory (a fixture set: <case>.safetensors files "
+                         "and their MANIFEST.json; write one with `csa-parity regenerate --fixtures-dir DIR`)")
+    os.environ[FIXTURES_ENV] = os.path.abspath(args.fixtures)
 
 
 def _check_chunks(case: str, knob: str, heads_name: str, chunks) -> None:
@@ -243,7 +271,7 @@ def platform_info(precision: str, reference: str, device: dict | None = None) ->
     return info
 
 
-def _stage_entries(entries, impl: str):
+def stage_entries(entries, impl: str):
     """A stage plug-in runs native points only (chunks are the pipeline's knobs): every
     matrix entry there (reported not provided, counted) plus its stage's entries; the
     quantizer's at the points of the cases that quantize (index_quant) only."""
@@ -331,6 +359,7 @@ def run(args) -> int:
 
     began = time.time()
     _check_selection(args)
+    _use_fixtures(args)
     sample = "full" if args.full else args.sample
     entries = build_matrix(args.cases, args.dtypes, args.ichunks, args.tchunks, args.modes, args.impl, args.qchunks,
                            sample=sample, teachers=args.teachers, backends=args.backends)
@@ -360,12 +389,12 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
     from ..sides.timing import COUNTS
     from ..sides.worker import DEFAULT_TIMEOUT, parse_size, run_points, timeout_from_env
     from .report import (attach_reruns, cache_line, code_ties_text, error_lines, failure_lines, format_table,
-                         memory_line, memory_summary, profile_lines, status_line, summarise, table, time_split,
-                         write_reports)
+                         memory_line, memory_summary, profile_lines, run_header, status_line, summarise, table,
+                         time_split, write_reports)
     from .tasks import error_records
 
     _check_sources(args, listing=args.list)
-    entries = _stage_entries(entries, args.impl)
+    entries = stage_entries(entries, args.impl)
     if not entries:
         raise ValueError("the selection is empty: no matrix entry matches --cases/--dtypes/--ichunks/--tchunks/--modes")
     if args.list:
@@ -407,9 +436,13 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
                 prefetch = ("harness.sides.implementations:prefetch", (specs, threads), timeout * batches)
         elif len(started) < want:
             started.extend(spawn(init, want - len(started)))
+    from ..package_data import fixture_set, versions
+
     meta = {
         "impl": args.impl,
         "reference": args.reference,
+        "versions": versions(),
+        "fixtures": fixture_set(fixtures_dir),
         "tolerance_profile": args.precision,
         "platform": platform_info(args.precision, args.reference, device),
         "selection": {k: getattr(args, k) for k in ("cases", "dtypes", "ichunks", "tchunks", "qchunks", "modes", "teachers",
@@ -484,6 +517,7 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
               f"{paths['json']}, {paths['md']}", file=sys.stderr)
         return interrupted[1]
     header, rows = table(records)
+    print(run_header(meta))
     print(format_table(header, rows))
     print()
     print(

@@ -11,7 +11,8 @@ inputs and parameters bit for bit, goldens within harness.judging.tolerance.FIXT
 top-k picks by the project's one tie rule (harness.judging.compare.topk_sets), order errors as
 the baselines of their bounds within harness.judging.tolerance.ORDERR_CHECK_FACTOR.
 
-    python scripts/regenerate_fixtures.py [--case NAME] [--check] [--fixtures-dir DIR]
+    csa-parity regenerate [--case NAME] [--check] [--fixtures-dir DIR]
+    python scripts/regenerate_fixtures.py ...   # the same, from a clone without an install
 """
 
 from __future__ import annotations
@@ -604,14 +605,15 @@ def _where(bad: np.ndarray, old: np.ndarray, new: np.ndarray, rule: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `scripts/regenerate_fixtures.py`, for reuse by the csa-parity CLI."""
+    """The options of `csa-parity regenerate` (and scripts/regenerate_fixtures.py)."""
     parser.add_argument("--case", action="append", metavar="NAME",
                         help=f"only this case (repeatable; default all: {', '.join(CASES)})")
     parser.add_argument("--check", action="store_true",
                         help="regenerate in memory and compare with the files; exit 1 on any "
                              "difference")
-    parser.add_argument("--fixtures-dir", type=Path, default=None,
-                        help="where the fixtures live (default: the repository's fixtures/)")
+    parser.add_argument("--fixtures-dir", "--out", type=Path, default=None, metavar="DIR",
+                        help="the fixture set to write or --check (default: the repository's fixtures/ in a "
+                             "clone, the installed package's own set otherwise)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from ..points import Entry, Point
 
 # parity.json's layout (docs/design.md lists every field; CHANGELOG.md says what each version
 # added). A reader that finds another version knows the fields may differ.
-JSON_SCHEMA_VERSION = 8
+JSON_SCHEMA_VERSION = 9
 COLUMNS = ("compressed_keys", "index_scores", "topk_indices", "codes", "loss", "grad", "input_grads")
 
 
@@ -69,7 +69,7 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
     """The command line that reruns exactly `point` (in `mode`, when given) with the options
     that change its outcome: the implementation, the reference, the matmul precision, a time
     limit other than the default, and fixtures read from another directory
-    (CSA_PARITY_FIXTURES, set before the command). `--teachers` is named where the case holds
+    (`--fixtures`). `--teachers` is named where the case holds
     more than one teacher (else explicit chunks would run every teacher's point). A sharded
     point (`mesh`) runs only under pytest (the device count is set before JAX starts), so its
     command is the pytest selection of that point."""
@@ -80,7 +80,6 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
     if point.mesh is not None:
         prefix = Entry(point, mode or "", "").id.rstrip("-")
         return f"python -m pytest tests/sharded -n 0 -m sharded -k {shlex.quote(prefix)}"
-    env = f"CSA_PARITY_FIXTURES={shlex.quote(fixtures_dir)} " if fixtures_dir else ""
     words = ["csa-parity", "run", "--cases", point.case, "--dtypes", point.dtype, "--ichunks", str(point.ichunk),
              "--tchunks", str(point.tchunk), "--qchunks", str(point.qchunk)]
     if mode and mode != STAGE_MODE:  # a stage plug-in's entries are not selected by --modes
@@ -96,7 +95,9 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
         words += ["--precision", precision]
     if timeout is not None:
         words += ["--timeout", f"{timeout:g}"]
-    return env + " ".join(shlex.quote(w) for w in words)
+    if fixtures_dir:
+        words += ["--fixtures", fixtures_dir]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def failure_text(entry: Entry, results, reference: str = "live", precision: str = "highest",
@@ -437,6 +438,16 @@ def size_text(nbytes: int) -> str:
     return f"{nbytes / 2**10:.1f} KiB"
 
 
+def run_header(meta: dict) -> str:
+    """The line every report opens with (terminal, parity.md): the versions of csa-parity and the
+    frameworks, and the fixture set judged against (its directory and MANIFEST.json's sha256)."""
+    versions = meta.get("versions") or {}
+    fixtures = meta.get("fixtures") or {}
+    frameworks = ", ".join(f"{k} {versions.get(k, 'unknown')}" for k in ("jax", "jaxlib", "torch"))
+    return (f"csa-parity {versions.get('csa-parity', 'unknown')} ({frameworks}); fixtures {fixtures.get('dir')} "
+            f"(MANIFEST.json sha256 {fixtures.get('manifest_sha256') or 'none: no manifest'})")
+
+
 def device_line(platform: dict) -> str:
     """What a reader compares two reports by: the device, its software, and the tolerances
     applied (harness.run.cli.platform_info)."""
@@ -482,6 +493,7 @@ def markdown(records: list[dict], meta: dict, summary: dict) -> str:
         f"platform: {meta.get('platform', {}).get('backend')} ({meta.get('platform', {}).get('device_kind')}); "
         f"matmul precision: {meta.get('platform', {}).get('matmul_precision')}"
         + (f"; Pallas kernels: {meta['platform']['pallas']}" if meta.get("platform", {}).get("pallas") else ""),
+        f"- {run_header(meta)}",
         f"- {device_line(meta.get('platform', {}))}",
         f"- {summary['entries']} matrix entries, {summary['checks']} checks: {status_line(summary)}; "
         f"wall time {meta.get('wall_s', 0):.1f} s",

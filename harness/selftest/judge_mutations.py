@@ -434,7 +434,7 @@ def _ignore(directory, names):
 
 def patch_copy(mutant: HarnessMutant | None, dst: Path, src: Path | None = None) -> Path:
     """Copy `src` (default: this checkout's harness/) to dst/harness, link dst/fixtures to this
-    checkout's fixtures (harness.problems.fixtures finds them beside the package) and apply the mutant's
+    checkout's fixtures (harness.package_data finds them beside the package) and apply the mutant's
     edits. Raises MutationError when an `old` text does not occur exactly once."""
     src = src or REPO_ROOT / PACKAGE
     dst = Path(dst)

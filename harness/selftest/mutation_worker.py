@@ -33,7 +33,6 @@ import traceback
 import numpy as np
 
 PACKAGE = "jax_impl"
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _RedirectFinder(importlib.abc.MetaPathFinder):
@@ -76,16 +75,12 @@ def foreign_modules(root: str) -> list[str]:
 def memory_check() -> dict:
     """tests/test_memory.py's floor bound, on the mutated copy: chunk 1 holds at most
     harness.judging.tolerance.MEMORY_FLOOR_FACTOR x the analytic floor."""
-    from benchmarks.memory_speed import (
-        TEST_BATCH as MEMORY_BATCH,
-        TEST_SEQ as MEMORY_SEQ,
-        TEST_SHAPE as MEMORY_SHAPE,
-        analytic_floor,
-        compiled_temp_bytes,
-    )
     from ..judging.memory_bounds import within_floor_factor
     from ..judging.tolerance import MEMORY_FLOOR_FACTOR as MEMORY_FACTOR
     from jax_impl import CSAConfig
+
+    from ..sides.compiled_memory import (TEST_BATCH as MEMORY_BATCH, TEST_SEQ as MEMORY_SEQ,
+                                         TEST_SHAPE as MEMORY_SHAPE, analytic_floor, compiled_temp_bytes)
 
     cfg = CSAConfig(**MEMORY_SHAPE, indexer_head_chunk=1, loss_head_chunk=1)
     held = compiled_temp_bytes(cfg, MEMORY_BATCH, MEMORY_SEQ)["effective"]
@@ -119,8 +114,6 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
     child forked from one that preloaded only jax, numpy and the harness)."""
     impl_root = os.path.abspath(impl_root)
     redirect(impl_root)
-    if REPO_ROOT not in sys.path:  # benchmarks/ (the memory check) is not an installed package
-        sys.path.append(REPO_ROOT)
     os.environ["JAX_ENABLE_X64"] = "1"
     import jax
 
