@@ -82,36 +82,45 @@ WIDEST = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL", "MKL_CBW
 KERNEL_CASES = ("ties", "tiny")
 
 
-def test_regenerating_twice_is_byte_identical(tmp_path):
-    """Here, and in a fresh process whose environment sets none of the instruction-set
-    variables (harness.ISA_VARIABLES), so that its torch would compute with the widest kernels
-    of the CPU unless importing the harness pins them: the same bytes, and the same as a process
-    that sets the pins itself. On an AVX512 CPU a process that asks for the widest kernels
+@pytest.fixture(scope="module")
+def regenerated_here(tmp_path_factory):
+    """Every case regenerated once in this process, its own order errors only: the files the
+    byte-identity test compares and --check compares the committed ones with."""
+    a = tmp_path_factory.mktemp("regenerated") / "a"
+    assert regenerate(fixtures_dir=a, out=io.StringIO(), isa_variants={}, carry=False) == 0
+    return a
+
+
+def test_regenerating_twice_is_byte_identical(tmp_path, regenerated_here):
+    """Here (a process whose environment holds the pins, harness.CPU_PINS) and in a fresh
+    process whose environment sets none of the instruction-set variables (harness.ISA_VARIABLES),
+    so that its torch would compute with the widest kernels of the CPU unless importing the
+    harness pins them: the same bytes. On an AVX512 CPU a process that asks for the widest kernels
     regenerates other bytes, so there the comparison is between kernels that would otherwise
     differ. Each process draws its own order errors only (the ISA variants' subprocesses are
     this same code under other kernels: tests below). The control runs where this CPU runs the
     widest kernels (harness.platforms.isa_variant_blockers, from its flags)."""
+    import torch
+
     from harness.run.regenerate import regenerate_in_subprocesses
 
+    assert {k: os.environ.get(k) for k in AVX2_PINS} == AVX2_PINS  # this process: the pins set
+    assert str(torch.backends.cpu.get_cpu_capability()) == harness.TORCH_CPU_CAPABILITY
     avx512 = "widest" not in isa_variant_blockers()
-    fresh = regenerate_in_subprocesses({"b": {}}, list(CASES), tmp_path, jobs=1)
-    kernels = regenerate_in_subprocesses({"pinned": AVX2_PINS, **({"widest": WIDEST} if avx512 else {})},
-                                         KERNEL_CASES, tmp_path, jobs=2)
-    a, b, pinned, widest = (tmp_path / n for n in ("a", "b", "pinned", "widest"))
-    assert regenerate(fixtures_dir=a, out=io.StringIO(), isa_variants={}, carry=False) == 0
-    assert "note:" not in fresh["b"].output, fresh["b"].output  # the pins were applied: no capability note
+    runs = regenerate_in_subprocesses({"b": {}}, list(CASES), tmp_path, jobs=1)
+    if avx512:
+        runs.update(regenerate_in_subprocesses({"widest": WIDEST}, KERNEL_CASES, tmp_path, jobs=1))
+    a, b, widest = regenerated_here, tmp_path / "b", tmp_path / "widest"
+    assert "note:" not in runs["b"].output, runs["b"].output  # the pins were applied: no capability note
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
     assert names == sorted([f"{n}.safetensors" for n in CASES] + [MANIFEST_NAME, ORDER_ERRORS_NAME])
     for name in names:
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    for case in KERNEL_CASES:
-        file = f"{case}.safetensors"
-        assert (pinned / file).read_bytes() == (b / file).read_bytes(), (
-            f"{file}: a process that imports the harness with no instruction-set variable set regenerates "
-            f"other bytes than one that sets {AVX2_PINS}: the harness does not pin them all")
+        assert (a / name).read_bytes() == (b / name).read_bytes(), (
+            f"{name}: a process that imports the harness with no instruction-set variable set regenerates "
+            f"other bytes than one that has {AVX2_PINS} set: the harness does not pin them all")
     if avx512:  # the control: on this CPU the kernels differ when left to choose
-        assert "note:" in kernels["widest"].output, kernels["widest"].output
+        assert "note:" in runs["widest"].output, runs["widest"].output
         assert any((widest / f"{c}.safetensors").read_bytes() != (b / f"{c}.safetensors").read_bytes()
                    for c in KERNEL_CASES), "the widest kernels regenerate the same bytes: the control shows nothing"
 
@@ -251,9 +260,11 @@ def test_committed_order_errors_cover_the_capped_kernels(coverage_runs, variant)
                            + "\n".join(uncovered))
 
 
-def test_check_passes_on_committed_fixtures():
+def test_check_passes_on_committed_fixtures(regenerated_here):
+    """--check on the committed files, against the files regenerated here (the same bytes --check
+    would regenerate in memory: `case_bytes`, this process's own order errors)."""
     out = io.StringIO()
-    assert regenerate(check=True, out=out) == 0, out.getvalue()
+    assert regenerate(check=True, out=out, regenerated=regenerated_here) == 0, out.getvalue()
     assert "fixtures --check passed" in out.getvalue()
 
 

@@ -478,7 +478,7 @@ def write_case(case: Case, path: str | os.PathLike, other_order_errors: Mapping[
 def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
                fixtures_dir: str | os.PathLike | None = None, out: TextIO | None = None,
                isa_variants: Mapping[str, Mapping[str, str]] | None = None, jobs: int = 2,
-               carry: bool = True) -> int:
+               carry: bool = True, regenerated: str | os.PathLike | None = None) -> int:
     """Write (or, with `check`, regenerate in memory and compare) the named cases, all by
     default. Written order errors are the max (`join_order_errors`) over this process and the
     variants of `isa_variants` this CPU runs (default ISA_VARIANTS, `jobs` subprocesses at a
@@ -486,8 +486,10 @@ def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
     measured (`carried_order_errors`); each variant's go into ORDER_ERRORS_NAME. `check`
     regenerates in this process only, holds each order error within ORDERR_CHECK_FACTOR of the
     committed one and the committed ones to the join of their variants' (`check_order_errors`),
-    and names the variants this CPU cannot run. Prints what it does and every difference; returns the exit code (0 ok, 1 a
-    difference, 2 a bad argument)."""
+    and names the variants this CPU cannot run; with `regenerated`, a directory this process
+    regenerated the cases into (`isa_variants={}, carry=False`: the bytes `check` would
+    regenerate), it compares with those files instead of regenerating again. Prints what it does
+    and every difference; returns the exit code (0 ok, 1 a difference, 2 a bad argument)."""
     out = out if out is not None else sys.stdout
     fixtures_dir = Path(fixtures_dir) if fixtures_dir is not None else FIXTURES_DIR
     names = list(cases) if cases else list(CASES)
@@ -522,7 +524,8 @@ def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
                   f"kernels to the committed estimates, which cover {variant} as measured where it runs", file=out)
         for name in names:
             t0 = time.perf_counter()
-            diffs, notes = check_case(CASES[name], fixtures_dir, manifest)
+            fresh = (Path(regenerated) / f"{name}.safetensors").read_bytes() if regenerated is not None else None
+            diffs, notes = check_case(CASES[name], fixtures_dir, manifest, fresh)
             if record:
                 diffs += check_order_errors(CASES[name], fixtures_dir, record)
             for n in notes:
@@ -636,9 +639,10 @@ def check_order_errors(case: Case, fixtures_dir: Path, record: Mapping[str, Any]
     return diffs
 
 
-def check_case(case: Case, fixtures_dir: Path, manifest: Mapping[str, Any] | None = None
-               ) -> tuple[list[str], list[str]]:
-    """Regenerate `case` in memory and compare with the committed file.
+def check_case(case: Case, fixtures_dir: Path, manifest: Mapping[str, Any] | None = None,
+               fresh: bytes | None = None) -> tuple[list[str], list[str]]:
+    """Regenerate `case` in memory (or take `fresh`, its bytes as `case_bytes` gives them) and
+    compare with the committed file.
 
     -> (differences, notes). Inputs, parameters and identifying metadata must match
     exactly; goldens within CHECK_RTOL (normwise, -inf/NaN patterns exact; top-k as
@@ -666,7 +670,7 @@ def check_case(case: Case, fixtures_dir: Path, manifest: Mapping[str, Any] | Non
                 if entry.get(key) != want[key]:
                     diffs.append(f"MANIFEST.json entry {case.name!r}: {key} is "
                                  f"{entry.get(key)!r}, the catalogue says {want[key]!r}")
-    fresh = case_bytes(case)
+    fresh = case_bytes(case) if fresh is None else fresh
     if fresh == committed:
         return diffs, notes
     try:
