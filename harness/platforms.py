@@ -208,7 +208,7 @@ def cpu_flags() -> tuple[frozenset[str] | None, str]:
     nothing says, and then no variant that needs a flag is taken to run."""
     override = os.environ.get(CPU_FLAGS_ENV)
     if override is not None:
-        return frozenset(override.replace(",", " ").lower().split()), f"{CPU_FLAGS_ENV} (emulated)"
+        return frozenset(override.replace(",", " ").lower().split()), CPU_FLAGS_ENV
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -242,6 +242,7 @@ def isa_variant_blockers(flags: frozenset[str] | None = None, source: str | None
     if flags is None and source is None:
         flags, source = cpu_flags()
     variants = ISA_VARIANTS if variants is None else variants
+    where = "" if source == "/proc/cpuinfo" else f"; flags from {source}"
     out = {}
     for name, settings in variants.items():
         level = settings.get("ATEN_CPU_CAPABILITY", CPU_PINS["ATEN_CPU_CAPABILITY"]).lower()
@@ -254,12 +255,12 @@ def isa_variant_blockers(flags: frozenset[str] | None = None, source: str | None
         missing = [f for f in aten if f not in flags]
         if missing:
             out[name] = (f"cannot run: CPU lacks {', '.join(missing)} (ATen trusts ATEN_CPU_CAPABILITY={level}: "
-                         f"its kernels would die of SIGILL; flags from {source})")
+                         f"its kernels would die of SIGILL{where})")
             continue
         missing = [f for f in path if f not in flags]
         if missing:
             out[name] = (f"cannot reach its kernels: CPU lacks {', '.join(missing)} (oneDNN and MKL stay within the "
-                         f"CPU, so it would compute with a narrower path another variant measures; flags from {source})")
+                         f"CPU, so it would compute with a narrower path another variant measures{where})")
     return out
 
 
