@@ -399,7 +399,10 @@ def carried_order_errors(name: str, fixtures_dir: Path, measured: Iterable[str]
     manifest holds the same case: batch, sequence, seed and config)."""
     measured = set(measured)
     for where in dict.fromkeys([Path(fixtures_dir), FIXTURES_DIR]):
-        record = read_order_errors(where)
+        try:
+            record = read_order_errors(where)
+        except FixtureError:  # a corrupt file carries nothing (--check names it)
+            continue
         entry = (record or {}).get("cases", {}).get(name)
         if not entry:
             continue
