@@ -19,7 +19,8 @@ class BuildPyWithFixtures(build_py):
             return
         target = Path(self.build_lib, "harness", "fixtures")
         target.mkdir(parents=True, exist_ok=True)
-        for src in [ROOT / "fixtures" / "MANIFEST.json", *sorted((ROOT / "fixtures").glob("*.safetensors"))]:
+        fixtures = ROOT / "fixtures"
+        for src in [fixtures / "MANIFEST.json", fixtures / "ORDER_ERRORS.json", *sorted(fixtures.glob("*.safetensors"))]:
             shutil.copyfile(src, target / src.name)
 
 

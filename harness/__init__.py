@@ -35,6 +35,58 @@ CPU_PINS = {"ATEN_CPU_CAPABILITY": TORCH_CPU_CAPABILITY.lower(), "ONEDNN_MAX_CPU
 # for ONEDNN_MAX_CPU_ISA; MKL_ENABLE_INSTRUCTIONS caps MKL's code path): a process that emulates
 # another CPU (harness.run.regenerate.ISA_VARIANTS) starts from an environment without any of them.
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS")
+# An order error is a property of the CPU kernels that computed it as much as of the problem: torch
+# picks its kernels per process from the CPU (harness.CPU_PINS says which and why), so the same
+# reference run on another x86 CPU draws other roundings. The stored estimate is therefore the max
+# over the kernels a user's CPU may select, each emulated on a CPU that has its path (an x86-64 CPU
+# with AVX512 and AVX512-BF16 has every one) by capping it in a fresh process whose environment holds the variant's settings and no other ISA variable
+# (ISA_VARIABLES; what a variant leaves unset, importing the harness pins). harness.run.regenerate
+# joins them; a CPU runs only the variants whose ISA_VARIANT_NEEDS it has (below):
+ISA_VARIANTS: dict[str, dict[str, str]] = {
+    # every x86 CPU with AVX2 that imports the harness unchanged (harness.CPU_PINS), Intel or AMD:
+    # the goldens' own kernels
+    "pinned": {},
+    # an x86-64 CPU without AVX2: ATen falls back to its baseline kernels (their float32 RoPE past
+    # 65536 positions rounds otherwise: yarn_tail's float32 keys move by 6.3e-5, and its float16
+    # loss error is 5.2e-5 where the vectorised kernels' is 7.3e-6)
+    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+    # a user who asks for ATen's AVX512 kernels (Intel Xeon, AMD Zen 4 and later)
+    "aten-avx512": {"ATEN_CPU_CAPABILITY": "avx512"},
+    # oneDNN left to its widest: the bfloat16 matmuls on AVX512-BF16 (Intel, AMD Zen 4) or AMX
+    "onednn-all": {"ONEDNN_MAX_CPU_ISA": "ALL"},
+    # MKL left to pick its path per CPU model and vendor: AVX512 on this Intel (what the fixtures'
+    # estimates were before MKL was pinned: with this variant every estimate is at least that)
+    "mkl-auto": {"MKL_CBWR": "AUTO"},
+    # MKL's own AVX2 path: an Intel without AVX512, and the nearest this machine comes to an AMD's
+    # own path (MKL picks that per vendor, which no cap reproduces here)
+    "mkl-auto-avx2": {"MKL_CBWR": "AUTO", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    # nothing pinned at all on an AVX512 / AMX Intel: every library at its widest
+    "widest": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL", "MKL_CBWR": "AUTO"},
+}
+
+# What each variant needs of the CPU, by its /proc/cpuinfo flags (harness.platforms.cpu_flags), and
+# what happens on a CPU without them (harness.platforms.isa_variant_blockers says it per variant):
+# - ATen believes ATEN_CPU_CAPABILITY whatever the CPU has, so a variant whose ATen level (its own
+#   setting, else the pin) needs flags the CPU lacks cannot run: its first vectorised kernel dies
+#   of SIGILL. The flags are those ATen's own detection asks for: AVX2 with FMA; AVX512 with its
+#   BW, VL and DQ parts and FMA.
+# - oneDNN's and MKL's settings cap what they may use, and each library stays within what the
+#   CPU has: without the flags of the path a variant stands for, it would compute with a narrower
+#   one that another variant measures already, so the variant is not measured there (its
+#   committed estimate stays, rather than being replaced by another path's).
+ATEN_NEEDS = {"default": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")}
+AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # oneDNN's avx512_core; MKL's AVX512 path
+# ISA_VARIANT_NEEDS: the flags of the oneDNN or MKL path a variant stands for (ATen's are ATEN_NEEDS
+# of its level).
+ISA_VARIANT_NEEDS: dict[str, tuple[str, ...]] = {
+    "pinned": (),
+    "aten-default": (),
+    "aten-avx512": (),
+    "onednn-all": AVX512_CORE,  # oneDNN's bfloat16 matmuls past AVX2 (avx512_core and up: AVX512-BF16, AMX)
+    "mkl-auto": AVX512_CORE,  # the AVX512 path MKL picks on an Intel with it
+    "mkl-auto-avx2": ("avx2", "fma"),
+    "widest": AVX512_CORE,
+}
 
 
 def pin_cpu_kernels() -> tuple[str, ...]:

@@ -196,6 +196,76 @@ def _claim_fake(path: str) -> None:
     _held_lock = f
 
 
+# A test and emulation hook: where set, the CPU flags every decision of the harness reads
+# (cpu_flags) are these (space- or comma-separated /proc/cpuinfo names), not the CPU's own. Set
+# to an AVX2-only list ("sse4_2 avx avx2 fma f16c") on an AVX512 machine, the regenerator skips
+# the variants such a CPU cannot run, as it would there; torch itself still sees the real CPU.
+CPU_FLAGS_ENV = "CSA_PARITY_CPU_FLAGS"
+
+
+def cpu_flags() -> tuple[frozenset[str] | None, str]:
+    """(the CPU's instruction-set flags as /proc/cpuinfo names them, where they came from): the
+    CPU_FLAGS_ENV override, else /proc/cpuinfo's `flags` (Linux), else macOS's sysctl feature
+    lists (lower-cased: AVX2, AVX512F, FMA there are avx2, avx512f, fma here); (None, why) where
+    nothing says, and then no variant that needs a flag is taken to run."""
+    override = os.environ.get(CPU_FLAGS_ENV)
+    if override is not None:
+        return frozenset(override.replace(",", " ").lower().split()), CPU_FLAGS_ENV
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split()), "/proc/cpuinfo"
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        import subprocess
+
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"],
+                                 capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        if out.strip():
+            return frozenset(w.lower().replace(".", "_") for w in out.split()), "sysctl machdep.cpu"
+    return None, "no /proc/cpuinfo and no other source of CPU flags"
+
+
+def isa_variant_blockers(flags: frozenset[str] | None = None, source: str | None = None,
+                         variants=None) -> dict[str, str]:
+    """{variant: why this CPU cannot run it} for the variants of `variants` (default
+    harness.ISA_VARIANTS) that `flags` (default cpu_flags()) lack what they need
+    (harness.ATEN_NEEDS of the variant's ATen level, harness.ISA_VARIANT_NEEDS of its library
+    path); a variant absent from the result runs here. Decided from the flags alone, never by
+    running a kernel."""
+    from . import ATEN_NEEDS, CPU_PINS, ISA_VARIANT_NEEDS, ISA_VARIANTS
+
+    if flags is None and source is None:
+        flags, source = cpu_flags()
+    variants = ISA_VARIANTS if variants is None else variants
+    where = "" if source == "/proc/cpuinfo" else f"; flags from {source}"
+    out = {}
+    for name, settings in variants.items():
+        level = settings.get("ATEN_CPU_CAPABILITY", CPU_PINS["ATEN_CPU_CAPABILITY"]).lower()
+        aten = ATEN_NEEDS.get(level, ())
+        path = ISA_VARIANT_NEEDS.get(name, ())
+        if flags is None:
+            if aten or path:
+                out[name] = f"not measured: this CPU's flags are unknown ({source}; set {CPU_FLAGS_ENV} to name them)"
+            continue
+        missing = [f for f in aten if f not in flags]
+        if missing:
+            out[name] = (f"cannot run: CPU lacks {', '.join(missing)} (ATen trusts ATEN_CPU_CAPABILITY={level}: "
+                         f"its kernels would die of SIGILL{where})")
+            continue
+        missing = [f for f in path if f not in flags]
+        if missing:
+            out[name] = (f"cannot reach its kernels: CPU lacks {', '.join(missing)} (oneDNN and MKL stay within the "
+                         f"CPU, so it would compute with a narrower path another variant measures{where})")
+    return out
+
+
 def cpu_features() -> dict:
     """The processor's model name and which of ISA_FLAGS it has (Linux; elsewhere what
     `platform` says)."""
@@ -206,6 +276,7 @@ def cpu_features() -> dict:
         with open("/proc/cpuinfo") as f:
             text = f.read()
     except OSError:
+        _isa_variants(info)
         return info
     flags: set[str] = set()
     for line in text.splitlines():
@@ -217,7 +288,22 @@ def cpu_features() -> dict:
             info["model"] = value.strip()
     info["model"] = info["model"] or None
     info["isa"] = [f for f in ISA_FLAGS if f in flags]
+    _isa_variants(info)
     return info
+
+
+def _isa_variants(info: dict) -> None:
+    """Adds to a cpu block which of harness.ISA_VARIANTS (the CPU kernels the fixtures' order
+    errors are joined over) this CPU runs, and why not for the others; and, where the flags are
+    emulated (CPU_FLAGS_ENV), those flags as the ISA."""
+    from . import ISA_VARIANTS
+
+    flags, source = cpu_flags()
+    if os.environ.get(CPU_FLAGS_ENV) is not None:
+        info["isa"] = [f for f in ISA_FLAGS if f in flags]
+        info["flags_from"] = source
+    blocked = isa_variant_blockers(flags, source)
+    info["isa_variants"] = {name: blocked.get(name, "runs") for name in ISA_VARIANTS}
 
 
 def _version(dist: str) -> str | None:

@@ -12,6 +12,8 @@ the spread (max / min) of every order-error estimate, with each variant's wall t
 
 A variant's environment holds its own settings and none of the other instruction-set variables
 (harness.ISA_VARIABLES), so what it does not set, importing the harness pins (harness.CPU_PINS).
+A variant this CPU cannot run (harness.platforms.isa_variant_blockers, from the CPU's flags) is
+named with the reason and left out.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from harness.judging.tolerance import FIXTURE_CHECK_RTOL, ORDERR_CHECK_FACTOR, f
 from harness.problems.cases import CASES  # noqa: E402
 from harness.problems.fixtures import read_safetensors  # noqa: E402
 from harness.run.collect import dims  # noqa: E402
+from harness.platforms import isa_variant_blockers  # noqa: E402
 from harness.run.regenerate import ISA_VARIANTS, normwise, regenerate_in_subprocesses  # noqa: E402
 
 
@@ -52,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cases = args.case or list(CASES)
     variants = dict(_parse_variant(v) for v in args.variant) if args.variant else dict(ISA_VARIANTS)
+    blocked = isa_variant_blockers(variants=variants)
+    for name, why in blocked.items():
+        print(f"  {name:<18} not measured on this CPU: {why}")
+    variants = {n: v for n, v in variants.items() if n not in blocked}
+    if len(variants) < 2:
+        print(f"this CPU runs {len(variants)} of the variants: nothing to compare")
+        return 0
     with tempfile.TemporaryDirectory(prefix="isa-variants-") as tmp:
         where = args.keep or Path(tmp)
         runs = regenerate_in_subprocesses(variants, cases, where, jobs=args.jobs)

@@ -330,19 +330,35 @@ CHECKIFY_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("mutate,message", CHECKIFY_ERRORS, ids=[m for _, m in CHECKIFY_ERRORS])
-def test_jax_checkify_variant_reports_the_value_rule_inside_jit(mutate, message):
+CHECKIFY_CFG = {**SMALL, "sliding_window": 4}  # every input read, the window's too
+
+
+@pytest.fixture(scope="module")
+def checkified():
+    """The checkified, jitted loss of one problem size, compiled once for every case below (the
+    values differ, the program does not), and whether the clean problem passed through it."""
     from jax.experimental import checkify
 
-    cfg = jax_impl.CSAConfig(**{**SMALL, "sliding_window": 4})  # every input read, the window's too
-    params, inputs = make_params(cfg), make_inputs(cfg, 2, 16)
-    inputs["attention_sink"][0] = -np.inf  # allowed: no sink for head 0
+    cfg = jax_impl.CSAConfig(**CHECKIFY_CFG)
 
     def checked(p, x):
         jax_impl.checkify_inputs(p, x, cfg)
         return jax_impl.indexer_loss(p, x, cfg, "float32")
 
     run = jax.jit(checkify.checkify(checked, errors=checkify.user_checks))
+    return cfg, run
+
+
+def _checkify_problem(cfg):
+    params, inputs = make_params(cfg), make_inputs(cfg, 2, 16)
+    inputs["attention_sink"][0] = -np.inf  # allowed: no sink for head 0
+    return params, inputs
+
+
+@pytest.mark.parametrize("mutate,message", CHECKIFY_ERRORS, ids=[m for _, m in CHECKIFY_ERRORS])
+def test_jax_checkify_variant_reports_the_value_rule_inside_jit(checkified, mutate, message):
+    cfg, run = checkified
+    params, inputs = _checkify_problem(cfg)
     err, loss = run(params, inputs)
     assert err.get() is None and np.isfinite(loss)  # the clean problem passes
     mutate(inputs, params)

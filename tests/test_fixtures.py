@@ -29,7 +29,8 @@ from harness.problems.cases import CASES, KNOB_FIELDS, TEACHERS
 from harness.problems.fixtures import (FIXTURES_DIR, GOLDEN_DTYPES, LOW_DTYPES, MANIFEST_NAME, SCHEMA_VERSION,
                                        FixtureError, load_case, read_manifest, read_safetensors, sha256_of,
                                        tensor_schema, write_manifest, write_safetensors)
-from harness.run.regenerate import regenerate
+from harness.platforms import CPU_FLAGS_ENV, isa_variant_blockers
+from harness.run.regenerate import ORDER_ERRORS_NAME, read_order_errors, regenerate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,43 +82,45 @@ WIDEST = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL", "MKL_CBW
 KERNEL_CASES = ("ties", "tiny")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+@pytest.fixture(scope="module")
+def regenerated_here(tmp_path_factory):
+    """Every case regenerated once in this process, its own order errors only: the files the
+    byte-identity test compares and --check compares the committed ones with."""
+    a = tmp_path_factory.mktemp("regenerated") / "a"
+    assert regenerate(fixtures_dir=a, out=io.StringIO(), isa_variants={}, carry=False) == 0
+    return a
 
 
-def test_regenerating_twice_is_byte_identical(tmp_path):
-    """Here, and in a fresh process whose environment sets none of the instruction-set
-    variables (harness.ISA_VARIABLES), so that its torch would compute with the widest kernels
-    of the CPU unless importing the harness pins them: the same bytes, and the same as a process
-    that sets the pins itself. On an AVX512 CPU a process that asks for the widest kernels
+def test_regenerating_twice_is_byte_identical(tmp_path, regenerated_here):
+    """Here (a process whose environment holds the pins, harness.CPU_PINS) and in a fresh
+    process whose environment sets none of the instruction-set variables (harness.ISA_VARIABLES),
+    so that its torch would compute with the widest kernels of the CPU unless importing the
+    harness pins them: the same bytes. On an AVX512 CPU a process that asks for the widest kernels
     regenerates other bytes, so there the comparison is between kernels that would otherwise
     differ. Each process draws its own order errors only (the ISA variants' subprocesses are
-    this same code under other kernels: tests below)."""
+    this same code under other kernels: tests below). The control runs where this CPU runs the
+    widest kernels (harness.platforms.isa_variant_blockers, from its flags)."""
+    import torch
+
     from harness.run.regenerate import regenerate_in_subprocesses
 
-    avx512 = "avx512f" in _cpu_flags()
-    fresh = regenerate_in_subprocesses({"b": {}}, list(CASES), tmp_path, jobs=1)
-    kernels = regenerate_in_subprocesses({"pinned": AVX2_PINS, **({"widest": WIDEST} if avx512 else {})},
-                                         KERNEL_CASES, tmp_path, jobs=2)
-    a, b, pinned, widest = (tmp_path / n for n in ("a", "b", "pinned", "widest"))
-    assert regenerate(fixtures_dir=a, out=io.StringIO(), isa_variants={}) == 0
-    assert "note:" not in fresh["b"].output, fresh["b"].output  # the pins were applied: no capability note
+    assert {k: os.environ.get(k) for k in AVX2_PINS} == AVX2_PINS  # this process: the pins set
+    assert str(torch.backends.cpu.get_cpu_capability()) == harness.TORCH_CPU_CAPABILITY
+    avx512 = "widest" not in isa_variant_blockers()
+    runs = regenerate_in_subprocesses({"b": {}}, list(CASES), tmp_path, jobs=1)
+    if avx512:
+        runs.update(regenerate_in_subprocesses({"widest": WIDEST}, KERNEL_CASES, tmp_path, jobs=1))
+    a, b, widest = regenerated_here, tmp_path / "b", tmp_path / "widest"
+    assert "note:" not in runs["b"].output, runs["b"].output  # the pins were applied: no capability note
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(p.name for p in b.iterdir())
-    assert names == sorted([f"{n}.safetensors" for n in CASES] + [MANIFEST_NAME])
+    assert names == sorted([f"{n}.safetensors" for n in CASES] + [MANIFEST_NAME, ORDER_ERRORS_NAME])
     for name in names:
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    for case in KERNEL_CASES:
-        file = f"{case}.safetensors"
-        assert (pinned / file).read_bytes() == (b / file).read_bytes(), (
-            f"{file}: a process that imports the harness with no instruction-set variable set regenerates "
-            f"other bytes than one that sets {AVX2_PINS}: the harness does not pin them all")
+        assert (a / name).read_bytes() == (b / name).read_bytes(), (
+            f"{name}: a process that imports the harness with no instruction-set variable set regenerates "
+            f"other bytes than one that has {AVX2_PINS} set: the harness does not pin them all")
     if avx512:  # the control: on this CPU the kernels differ when left to choose
-        assert "note:" in kernels["widest"].output, kernels["widest"].output
+        assert "note:" in runs["widest"].output, runs["widest"].output
         assert any((widest / f"{c}.safetensors").read_bytes() != (b / f"{c}.safetensors").read_bytes()
                    for c in KERNEL_CASES), "the widest kernels regenerate the same bytes: the control shows nothing"
 
@@ -129,51 +132,139 @@ def test_regenerate_one_case_keeps_the_others(copy_dir):
     assert regenerate(["tiny"], fixtures_dir=copy_dir, out=io.StringIO(), isa_variants={}) == 0
     after = {p.name: p.read_bytes() for p in copy_dir.iterdir()}
     assert set(after) == set(before)
-    assert {n: d for n, d in after.items() if n not in ("tiny.safetensors", MANIFEST_NAME)} == {
-        n: d for n, d in before.items() if n not in ("tiny.safetensors", MANIFEST_NAME)}
+    written = ("tiny.safetensors", MANIFEST_NAME, ORDER_ERRORS_NAME)
+    assert {n: d for n, d in after.items() if n not in written} == {
+        n: d for n, d in before.items() if n not in written}
     manifest = {n: e for n, e in read_manifest(copy_dir)["cases"].items() if n != "tiny"}
     assert manifest == {n: e for n, e in read_manifest()["cases"].items() if n != "tiny"}
+    record = {n: e for n, e in read_order_errors(copy_dir)["cases"].items() if n != "tiny"}
+    assert record == {n: e for n, e in read_order_errors(FIXTURES_DIR)["cases"].items() if n != "tiny"}
     out = io.StringIO()
     assert regenerate(["tiny"], check=True, fixtures_dir=copy_dir, out=out) == 0, out.getvalue()
 
 
+# A CPU with AVX2 and FMA and no AVX512, as /proc/cpuinfo names its flags (harness.platforms.CPU_FLAGS_ENV
+# makes this machine's harness see it: torch still computes on the real CPU, pinned to AVX2 as there).
+AVX2_ONLY = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2"
+
+
+def test_regenerating_on_an_avx2_only_cpu_keeps_the_estimates_it_cannot_measure(copy_dir, monkeypatch):
+    """tiny regenerated where the CPU (emulated) lacks AVX512, joined over pinned (this process)
+    and aten-avx512, which that CPU cannot run: the output names what it measured and what it
+    could not, and why; aten-avx512's committed estimates are kept (here made 1.2x the pinned
+    kernels' for half the order errors, 0.8x for the others) and the written order errors
+    are the LARGEST of the two variants' in every tensor; the set passes --check. One in-process
+    regeneration of tiny: a few seconds."""
+    from harness.run.regenerate import ISA_VARIANTS, join_order_errors, write_order_errors
+
+    record = read_order_errors(copy_dir)["cases"]
+    pinned = record["tiny"]["pinned"]["values"]
+    # within ORDERR_CHECK_FACTOR of the pinned kernels' own (1.25 at the least), so that --check passes
+    planted = {t: v * (1.2 if i % 2 else 0.8) for i, (t, v) in enumerate(sorted(pinned.items()))}
+    record["tiny"]["aten-avx512"] = {"measured_on": "a CPU with AVX512 (planted)", "values": planted}
+    write_order_errors(copy_dir, record)
+    monkeypatch.setenv(CPU_FLAGS_ENV, AVX2_ONLY)
+    out = io.StringIO()
+    variants = {n: ISA_VARIANTS[n] for n in ("pinned", "aten-avx512")}
+    assert regenerate(["tiny"], fixtures_dir=copy_dir, out=out, isa_variants=variants) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "ISA variant aten-avx512 (ATEN_CPU_CAPABILITY=avx512): not measured on this CPU: cannot run: CPU lacks " \
+           "avx512f, avx512bw, avx512vl, avx512dq" in text, text
+    assert "ISA variants measured here: pinned; not measured: aten-default, aten-avx512, onednn-all" in text, text
+    assert "tiny: kept the committed order errors of aten-default, aten-avx512, onednn-all, mkl-auto, " \
+           "mkl-auto-avx2, widest, as-generated from" in text, text
+    written, _ = read_safetensors((copy_dir / "tiny.safetensors").read_bytes())
+    entry = read_order_errors(copy_dir)["cases"]["tiny"]
+    assert entry["aten-avx512"]["values"] == planted
+    fresh = entry["pinned"]["values"]
+    larger = 0
+    for t, own in fresh.items():
+        want = max(own, planted[t], *(entry[v]["values"][t] for v in entry))
+        assert float(written[t].array()) == want == join_order_errors(
+            {v: e["values"] for v, e in entry.items()})[t], t
+        larger += planted[t] > own
+    assert larger >= len(fresh) // 3, "the planted estimates are not the largest anywhere: the join is not seen"
+    out = io.StringIO()
+    assert regenerate(["tiny"], check=True, fixtures_dir=copy_dir, out=out) == 0, out.getvalue()
+    assert "note: ISA variant aten-avx512 not run on this CPU: cannot run: CPU lacks avx512f" in out.getvalue()
+
+
+def test_check_holds_the_stored_order_errors_to_their_variants_max(copy_dir):
+    """--check: each stored order error is the largest of its variants' estimates in
+    ORDER_ERRORS.json, and every variant has one: a file whose estimate is a smaller variant's,
+    or a record without a variant, is a difference."""
+    from harness.run.regenerate import write_order_errors
+
+    record = read_order_errors(copy_dir)["cases"]
+    tname = next(t for t in sorted(record["tiny"]["pinned"]["values"]) if ".orderr." in t)
+    top = max(record["tiny"][v]["values"][tname] for v in record["tiny"])
+    record["tiny"]["widest"]["values"][tname] = top * 2
+    del record["tiny"]["onednn-all"]
+    write_order_errors(copy_dir, record)
+    out = io.StringIO()
+    assert regenerate(["tiny"], check=True, fixtures_dir=copy_dir, out=out) == 1
+    text = out.getvalue()
+    assert f"tensor '{tname}' is {top!r}, but the largest of its ISA variants' estimates is {top * 2!r} (widest)" \
+           in text, text
+    assert "do not cover the ISA variant(s) onednn-all" in text, text
+
+
 # The capped kernels the coverage test regenerates under: ATen's AVX512 and baseline kernels, and
 # MKL's own AVX2 path (the nearest this machine comes to another vendor's), three of
-# harness.run.regenerate.ISA_VARIANTS; on a CPU without a path the cap falls back to what it has.
+# harness.run.regenerate.ISA_VARIANTS, each where this CPU runs it (harness.platforms.isa_variant_blockers).
 COVERAGE_VARIANTS = ("aten-avx512", "aten-default", "mkl-auto-avx2")
 
 
-def test_committed_order_errors_cover_the_capped_kernels(tmp_path):
-    """tiny regenerated in fresh processes under capped kernels: every order error each draws,
-    taken as the baseline of its bound (max(estimate, floor)), is at most the committed one. A
-    fixture set whose estimates rest on one CPU's kernels fails here on a CPU whose kernels
-    round worse. Costs three tiny regenerations, two at a time (20 s on 2 shared cores)."""
-    from harness.judging.tolerance import floor
-    from harness.run.collect import dims
+@pytest.fixture(scope="module")
+def coverage_runs(tmp_path_factory):
+    """tiny regenerated in a fresh process under each coverage variant this CPU runs, two at a
+    time; {variant: why not} for the others."""
     from harness.run.regenerate import ISA_VARIANTS, regenerate_in_subprocesses
 
-    runs = regenerate_in_subprocesses({n: ISA_VARIANTS[n] for n in COVERAGE_VARIANTS}, ["tiny"], tmp_path, jobs=2)
+    blocked = isa_variant_blockers(variants={n: ISA_VARIANTS[n] for n in COVERAGE_VARIANTS})
+    where = tmp_path_factory.mktemp("coverage")
+    runs = regenerate_in_subprocesses({n: ISA_VARIANTS[n] for n in COVERAGE_VARIANTS if n not in blocked}, ["tiny"],
+                                      where, jobs=2)
+    return where, runs, blocked
+
+
+@pytest.mark.parametrize("variant", COVERAGE_VARIANTS)
+def test_committed_order_errors_cover_the_capped_kernels(coverage_runs, variant):
+    """tiny regenerated in a fresh process under capped kernels: every order error it draws,
+    taken as the baseline of its bound (max(estimate, floor)), is at most the committed one. A
+    fixture set whose estimates rest on one CPU's kernels fails here on a CPU whose kernels
+    round worse. A variant this CPU cannot run (decided from its flags) is skipped with the
+    reason; its committed estimates are held by --check (test_check_passes_on_committed_fixtures).
+    Costs three tiny regenerations, two at a time (20 s on 2 shared cores)."""
+    from harness.judging.tolerance import floor
+    from harness.run.collect import dims
+    from harness.run.regenerate import ISA_VARIANTS
+
+    where, runs, blocked = coverage_runs
+    if variant in blocked:
+        pytest.skip(f"ISA variant {variant}: {blocked[variant]}")
     committed, _ = read_safetensors((FIXTURES_DIR / "tiny.safetensors").read_bytes())
+    fresh, _ = read_safetensors((where / variant / "tiny.safetensors").read_bytes())
+    orderr = [t for t in fresh if ".orderr." in t]
+    assert len(orderr) == 3 * 2 * 16 - 3 * 2, (variant, len(orderr))  # 3 dtypes; joint 16, compressed 14
     uncovered = []
-    for name in COVERAGE_VARIANTS:
-        fresh, _ = read_safetensors((tmp_path / name / "tiny.safetensors").read_bytes())
-        orderr = [t for t in fresh if ".orderr." in t]
-        assert len(orderr) == 3 * 2 * 16 - 3 * 2, (name, len(orderr))  # 3 dtypes; joint 16, compressed 14
-        for t in orderr:
-            dt, quantity = t.split(".")[1], t.split("orderr.", 1)[1]
-            fl = floor(dt, quantity, dims=dims("tiny"))
-            got, have = max(float(fresh[t].array()), fl), max(float(committed[t].array()), fl)
-            if got > have * (1 + 1e-12):
-                uncovered.append(f"{t}: {got:.3g} under {name} (torch capability {runs[name].capability}, "
-                                 f"{ISA_VARIANTS[name]}) > committed {have:.3g}")
+    for t in orderr:
+        dt, quantity = t.split(".")[1], t.split("orderr.", 1)[1]
+        fl = floor(dt, quantity, dims=dims("tiny"))
+        got, have = max(float(fresh[t].array()), fl), max(float(committed[t].array()), fl)
+        if got > have * (1 + 1e-12):
+            uncovered.append(f"{t}: {got:.3g} under {variant} (torch capability {runs[variant].capability}, "
+                             f"{ISA_VARIANTS[variant]}) > committed {have:.3g}")
     assert not uncovered, ("the committed order errors do not cover these kernels: regenerate with `python "
                            "scripts/regenerate_fixtures.py` on a CPU with AVX512 (every variant's path exists there):\n"
                            + "\n".join(uncovered))
 
 
-def test_check_passes_on_committed_fixtures():
+def test_check_passes_on_committed_fixtures(regenerated_here):
+    """--check on the committed files, against the files regenerated here (the same bytes --check
+    would regenerate in memory: `case_bytes`, this process's own order errors)."""
     out = io.StringIO()
-    assert regenerate(check=True, out=out) == 0, out.getvalue()
+    assert regenerate(check=True, out=out, regenerated=regenerated_here) == 0, out.getvalue()
     assert "fixtures --check passed" in out.getvalue()
 
 

@@ -550,6 +550,107 @@ def test_a_platform_profile_widens_the_oracle_tie_window_and_not_chunk_topks():
                      at_bound=(EXCUSED, FAILED))
 
 
+# Three CPU-kernel variants' estimates of three order errors (harness.ISA_VARIANTS), each variant the
+# largest somewhere and the pinned kernels the smallest of one: a join keeping any other differs.
+VARIANT_ESTIMATES = {
+    "pinned": {"golden.float32.orderr.loss.dense": 3e-7, "golden.bfloat16.orderr.index_scores": 2e-3,
+               "golden.float16.orderr.compressed_keys": 1e-4},
+    "aten-default": {"golden.float32.orderr.loss.dense": 9e-7, "golden.bfloat16.orderr.index_scores": 1e-3,
+                     "golden.float16.orderr.compressed_keys": 2e-4},
+    "aten-avx512": {"golden.float32.orderr.loss.dense": 1e-7, "golden.bfloat16.orderr.index_scores": 5e-3,
+                    "golden.float16.orderr.compressed_keys": 3e-4},
+}
+AVX2_ONLY_FLAGS = frozenset("sse4_2 avx avx2 fma f16c".split())
+
+
+def test_the_order_errors_join_over_cpu_variants_keeps_the_largest():
+    """order-error baseline: the stored order error the oracle bound rests on is the LARGEST of
+    the estimates of the CPU kernels a user may compute with (harness.run.regenerate.join_order_errors),
+    in any order of the variants; also on a CPU that runs only some of them (an AVX2-only one:
+    aten-avx512 cannot run there, harness.platforms.isa_variant_blockers), where the committed
+    estimate of the variant it cannot measure joins what it measured."""
+    from harness import ISA_VARIANTS
+    from harness.platforms import isa_variant_blockers
+    from harness.run.regenerate import join_order_errors
+
+    largest = {"golden.float32.orderr.loss.dense": 9e-7, "golden.bfloat16.orderr.index_scores": 5e-3,
+               "golden.float16.orderr.compressed_keys": 3e-4}
+    assert join_order_errors(VARIANT_ESTIMATES) == largest, "rule 'the join keeps the largest estimate'"
+    assert join_order_errors(dict(reversed(list(VARIANT_ESTIMATES.items())))) == largest
+    assert join_order_errors({"pinned": VARIANT_ESTIMATES["pinned"]}) == VARIANT_ESTIMATES["pinned"]
+    blocked = isa_variant_blockers(AVX2_ONLY_FLAGS, "an AVX2-only CPU",
+                                   variants={n: ISA_VARIANTS[n] for n in VARIANT_ESTIMATES})
+    assert set(blocked) == {"aten-avx512"}, blocked
+    measured = {n: v for n, v in VARIANT_ESTIMATES.items() if n not in blocked}
+    carried = {n: VARIANT_ESTIMATES[n] for n in blocked}
+    joined = join_order_errors({**measured, **carried})
+    assert joined == largest, "rule 'the join keeps the largest estimate, the carried ones included'"
+    assert join_order_errors(measured)["golden.bfloat16.orderr.index_scores"] < joined[
+        "golden.bfloat16.orderr.index_scores"]  # aten-avx512's, which this CPU could not measure, decides
+
+
+def _stored_profile_policies():
+    """A Policy per (stored platform profile, matmul precision) under harness/profiles/, as the
+    CLI builds it on that device (harness.platforms.load_profile, oracle_factors)."""
+    import glob
+    import json
+    import os
+
+    from harness import platforms
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(platforms.PROFILES_DIR, "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        profile = platforms.load_profile(data["backend"], data["device_kind"])
+        for precision in profile["factors"]:
+            factors = platforms.oracle_factors(profile, precision)
+            out.append(Policy(precision, data["backend"], tuple((d, k, v) for d, row in factors.items()
+                                                                 for k, v in row.items()),
+                              os.path.basename(path)))
+    return out
+
+
+PROFILED = _stored_profile_policies()
+# Every comparison of a device with itself (SPEC section 10): a chunked point against its native
+# run, a sharded point against one device, the Pallas kernels against the XLA path.
+SELF_COMPARISONS = {"chunk": {"ichunk": 1}, "sharded": {"mesh": (1, 2, 1)}, "xla": {"backend": "pallas"}}
+
+
+@pytest.mark.parametrize("how", list(SELF_COMPARISONS))
+@pytest.mark.parametrize("policy", PROFILED, ids=lambda p: f"{p.platform_profile}-{p.profile}")
+def test_no_platform_profile_factor_reaches_a_self_comparison(policy, how):
+    """platform profile: the stored profiles (up to 974x an oracle bound) multiply the oracle
+    checks only. Under each, with its device's policy as the CLI loads it, every self-comparison
+    (chunk, sharded, xla) of every dtype and kind keeps the CPU's bound, CHUNK[t][kind] or
+    BACKEND[t][kind]: 0.9x passes and 1.1x fails (an xla check that precision makes not
+    applicable is left out, and at least one of each is judged)."""
+    assert max(f for _, _, f in policy.platform_factors) > ABOVE / BELOW, "a profile whose factors show nothing"
+    judged = 0
+    for dtype in ("float32", "bfloat16", "float16"):
+        for quantity in QUANTITIES:
+            mode, name, kind, scale, make = QUANTITIES[quantity]
+            entry = _entry(quantity, dtype, **SELF_COMPARISONS[how])
+            if how == "xla" and policy.backend_check_not_applicable(dtype, kind):
+                continue
+            oracle = make(_rng(5))
+            native = _bump(oracle, 1e-3, _first(oracle), scale)
+            table = tolerance.backend_bound if how == "xla" else tolerance.chunk_bound
+            bound = table(dtype, quantity if quantity != "loss" else name)
+            check = "xla" if how == "xla" else "chunk"
+
+            def run(f):
+                cand = Outputs("hand-made", {name: _bump(native, f * bound, scale=scale)})
+                refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@t", {name: native}),
+                                  native=Outputs("native", {name: native}))
+                return _only(judge(entry, cand, refs, policy), check)
+
+            _assert_boundary(f"{policy.platform_profile} at {policy.profile} leaves the {how} bound "
+                             f"({dtype} {quantity}, oracle factor {policy.oracle_factor(dtype, name):g})", run, bound)
+            judged += 1
+    assert judged, f"no {how} check judged under {policy.platform_profile} at {policy.profile}"
+
+
 # --------------------------------------------------------------------------- isolation
 
 

@@ -11,8 +11,12 @@ inputs and parameters bit for bit, goldens within harness.judging.tolerance.FIXT
 top-k picks by the project's one tie rule (harness.judging.compare.topk_sets), order errors as
 the baselines of their bounds within harness.judging.tolerance.ORDERR_CHECK_FACTOR.
 
-    csa-parity regenerate [--case NAME] [--check] [--fixtures-dir DIR]
+    csa-parity regenerate [--case NAME] [--check] [--fixtures-dir DIR | --out DIR]
     python scripts/regenerate_fixtures.py ...   # the same, from a clone without an install
+
+Each order error's estimate per variant is kept in ORDER_ERRORS.json beside MANIFEST.json; a CPU
+that cannot run a variant (harness.platforms.isa_variant_blockers, from its own flags) keeps that
+variant's committed estimate, and says so.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from typing import Any, Iterable, Mapping, TextIO
 
 import numpy as np
 
-from .. import CPU_PINS, ISA_VARIABLES, TORCH_CPU_CAPABILITY
+from .. import CPU_PINS, ISA_VARIABLES, ISA_VARIANTS, TORCH_CPU_CAPABILITY
 from ..judging.compare import normalised_error
 from ..judging.compare import topk_sets
 from ..judging.tolerance import FIXTURE_CHECK_RTOL as CHECK_RTOL, ORDERR_CHECK_FACTOR
 from ..outputs import CODE_QUANTITIES, PARAM_NAMES
+from ..platforms import cpu_features, isa_variant_blockers
 from ..points import Point
 from ..problems.cases import CASES, Case, make_inputs
 from .collect import dims
@@ -202,34 +207,11 @@ def order_errors(problem: Problem, goldens: Mapping[str, np.ndarray], teacher: s
 
 
 # --------------------------------------------------------------------------- instruction-set variants
-# An order error is a property of the CPU kernels that computed it as much as of the problem: torch
-# picks its kernels per process from the CPU (harness.CPU_PINS says which and why), so the same
-# reference run on another x86 CPU draws other roundings. The stored estimate is therefore the max
-# over the kernels a user's CPU may select, each emulated on the generating machine (an x86-64 CPU
-# with AVX512, AVX512-BF16 and AMX, so that every capped path exists there) by capping it in a
-# fresh process whose environment holds the variant's settings and no other ISA variable
-# (harness.ISA_VARIABLES; what a variant leaves unset, importing the harness pins):
-ISA_VARIANTS: dict[str, dict[str, str]] = {
-    # every x86 CPU with AVX2 that imports the harness unchanged (harness.CPU_PINS), Intel or AMD:
-    # the goldens' own kernels
-    "pinned": {},
-    # an x86-64 CPU without AVX2: ATen falls back to its baseline kernels (their float32 RoPE past
-    # 65536 positions rounds otherwise: yarn_tail's float32 keys move by 6.3e-5, and its float16
-    # loss error is 5.2e-5 where the vectorised kernels' is 7.3e-6)
-    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
-    # a user who asks for ATen's AVX512 kernels (Intel Xeon, AMD Zen 4 and later)
-    "aten-avx512": {"ATEN_CPU_CAPABILITY": "avx512"},
-    # oneDNN left to its widest: the bfloat16 matmuls on AVX512-BF16 (Intel, AMD Zen 4) or AMX
-    "onednn-all": {"ONEDNN_MAX_CPU_ISA": "ALL"},
-    # MKL left to pick its path per CPU model and vendor: AVX512 on this Intel (what the fixtures'
-    # estimates were before MKL was pinned: with this variant every estimate is at least that)
-    "mkl-auto": {"MKL_CBWR": "AUTO"},
-    # MKL's own AVX2 path: an Intel without AVX512, and the nearest this machine comes to an AMD's
-    # own path (MKL picks that per vendor, which no cap reproduces here)
-    "mkl-auto-avx2": {"MKL_CBWR": "AUTO", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    # nothing pinned at all on an AVX512 / AMX Intel: every library at its widest
-    "widest": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL", "MKL_CBWR": "AUTO"},
-}
+# An order error is a property of the CPU kernels that computed it as much as of the problem: the
+# stored estimate is the max over the kernels a user's CPU may select (harness.ISA_VARIANTS, each
+# computed in a fresh process whose environment holds the variant's settings and no other ISA
+# variable), over those this CPU can run (harness.platforms.isa_variant_blockers, from the CPU's
+# own flags); a variant it cannot run keeps the estimate committed for it (ORDER_ERRORS_NAME).
 # Each variant is a full computation of the order errors in its own process: about as long as a
 # regeneration's own (9 s of CPU for the 21 cases here), two at a time.
 
@@ -258,7 +240,7 @@ _VARIANT_CODE = (
     "print('capability', torch.backends.cpu.get_cpu_capability(), flush=True)\n"
     "mode, target, *cases = sys.argv[1:]\n"
     "if mode == 'files':\n"
-    "    sys.exit(r.regenerate(cases or None, fixtures_dir=target, isa_variants={}))\n"
+    "    sys.exit(r.regenerate(cases or None, fixtures_dir=target, isa_variants={}, carry=False))\n"
     "with open(target, 'w') as f:\n"
     "    json.dump(r.own_order_errors(cases), f)\n")
 
@@ -309,45 +291,162 @@ def own_order_errors(cases: Iterable[str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def own_variant(variants: Mapping[str, Mapping[str, str]]) -> str | None:
+    """The name of the variant of `variants` whose kernels are this process's own (its
+    harness.ISA_VARIABLES, the pins included), or None."""
+    here = {k: os.environ[k] for k in ISA_VARIABLES if k in os.environ}
+    return next((n for n, v in variants.items() if {**CPU_PINS, **v} == here), None)
+
+
 def variant_order_errors(cases: Iterable[str], variants: Mapping[str, Mapping[str, str]] | None = None,
-                         jobs: int = 2) -> tuple[dict[str, dict[str, float]], dict[str, VariantRun]]:
-    """({case: {order-error name: max over `variants`}}, the runs): each variant's order errors
-    of `cases`, computed in a fresh process (`variant_environment`), `jobs` at a time; a variant
-    whose kernels are this process's own is left out (the caller draws it here)."""
+                         jobs: int = 2) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, VariantRun]]:
+    """({variant: {case: {order-error name: value}}}, the runs): each variant's order errors of
+    `cases`, computed in a fresh process (`variant_environment`), `jobs` at a time; a variant
+    whose kernels are this process's own is left out (the caller draws it here). The caller
+    leaves out the variants this CPU cannot run (harness.platforms.isa_variant_blockers)."""
     import tempfile
 
     variants = ISA_VARIANTS if variants is None else variants
-    here = {k: os.environ[k] for k in ISA_VARIABLES if k in os.environ}
-    variants = {n: v for n, v in variants.items() if {**CPU_PINS, **v} != here}  # this process draws its own
+    own = own_variant(variants)
+    variants = {n: v for n, v in variants.items() if n != own}  # this process draws its own
     cases = list(cases)
-    worst: dict[str, dict[str, float]] = {c: {} for c in cases}
     if not variants:
-        return worst, {}
+        return {}, {}
     with tempfile.TemporaryDirectory(prefix="csa-parity-isa-") as tmp:
         targets = {n: Path(tmp) / f"{i}.json" for i, n in enumerate(variants)}
         runs = _run_variants(variants, "orderr", targets, cases, jobs)
-        for name in variants:
-            for case, errors in json.loads(targets[name].read_text()).items():
-                for tensor, value in errors.items():
-                    worst[case][tensor] = max(worst[case].get(tensor, 0.0), value)
-    return worst, runs
+        each = {name: json.loads(targets[name].read_text()) for name in variants}
+    return each, runs
 
 
-def build_case_tensors(case: Case, other_order_errors: Mapping[str, float] | None = None
+def join_order_errors(per_variant: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """{order-error name: the LARGEST estimate over the variants of `per_variant`} ({variant:
+    {name: value}}): the stored estimate is the baseline of a bound that must hold on every CPU
+    the variants stand for, so it is the max over them, never a smaller one."""
+    joined: dict[str, float] = {}
+    for values in per_variant.values():
+        for name, value in values.items():
+            joined[name] = max(joined.get(name, value), value)
+    return joined
+
+
+# --------------------------------------------------------------------------- each variant's estimates
+# ORDER_ERRORS_NAME, beside MANIFEST.json: every case's order errors per variant, as the regeneration
+# that wrote the case measured them, or carried (below). A case's stored order errors are
+# `join_order_errors` of its entry; `--check` holds them to it. A regeneration measures the variants
+# this CPU runs and CARRIES the entry of every other variant (one it cannot run, or that the call
+# leaves out) from the fixtures directory's file, else from the repository's committed one where
+# that holds the same case: so a CPU without AVX512 never lowers the estimates the AVX512 variants
+# put there, and says so. A variant neither measured nor carried is missing from the entry, and
+# `--check` reports the case as not covering it.
+ORDER_ERRORS_NAME = "ORDER_ERRORS.json"
+ORDER_ERRORS_FORMAT = 1
+# One entry beside the variants' own: the fixtures' order errors as they stood before each variant's
+# were kept, the seven variants joined on the CPU that generated them (an Intel with AVX512 and AMX,
+# whose oneDNN and MKL paths no other CPU here reaches). No CPU measures it, so every regeneration
+# carries it, and no estimate falls below it; delete it from the file only with a CPU that reaches
+# those paths at hand.
+AS_GENERATED = "as-generated"
+AS_GENERATED_ON = ("the seven ISA variants joined on the Intel CPU with AVX512 and AMX the fixtures were "
+                   "first generated on (each variant's own estimates were not kept then)")
+
+
+def read_order_errors(fixtures_dir: Path) -> dict[str, Any] | None:
+    """The ORDER_ERRORS_NAME file of `fixtures_dir` as {"format", "variants", "cases": {case:
+    {variant: {"measured_on", "values": {name: value}}}}}, or None where there is none; a
+    corrupt one raises FixtureError naming it. (On disk each case is a table: its variants,
+    where each was measured, and per order error one value per variant.)"""
+    path = Path(fixtures_dir) / ORDER_ERRORS_NAME
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != ORDER_ERRORS_FORMAT or not isinstance(data.get("cases"), dict):
+            raise ValueError(f"format {data.get('format')!r}, expected {ORDER_ERRORS_FORMAT} with a 'cases' map")
+        cases = {}
+        for case, table in data["cases"].items():
+            names, where = table["variants"], table["measured_on"]
+            cases[case] = {v: {"measured_on": where[i], "values": {
+                t: row[i] for t, row in table["values"].items() if row[i] is not None}} for i, v in enumerate(names)}
+        data["cases"] = cases
+    except (ValueError, AttributeError, KeyError, IndexError, TypeError) as e:
+        raise FixtureError(f"{display_path(path)} is corrupt ({e}): restore it with `git checkout -- "
+                           f"{display_path(path)}` or run {fix_command(None, Path(fixtures_dir))}") from None
+    return data
+
+
+def write_order_errors(fixtures_dir: Path, cases: Mapping[str, Mapping[str, Any]]) -> None:
+    """Writes ORDER_ERRORS_NAME: the cases in catalogue order, each a table of its variants (those
+    of ISA_VARIANTS first), where each was measured, and one line per order error with a value per
+    variant (null where a variant has none)."""
+    lines = []
+    for case in [c for c in CASES if c in cases]:
+        entry = cases[case]
+        names = [*[n for n in ISA_VARIANTS if n in entry], *sorted(set(entry) - set(ISA_VARIANTS))]
+        tensors = sorted({t for v in names for t in entry[v]["values"]})
+        rows = [f"        {json.dumps(t)}: {json.dumps([entry[v]['values'].get(t) for v in names])}" for t in tensors]
+        lines.append(f"    {json.dumps(case)}: {{\n      \"variants\": {json.dumps(names)},\n      \"measured_on\": "
+                     f"{json.dumps([entry[v]['measured_on'] for v in names])},\n      \"values\": {{\n"
+                     + ",\n".join(rows) + "\n      }\n    }")
+    body = (f'{{\n  "format": {ORDER_ERRORS_FORMAT},\n  "variants": {json.dumps(ISA_VARIANTS, sort_keys=True)},\n'
+            '  "cases": {\n' + ",\n".join(lines) + "\n  }\n}\n")
+    atomic_write(Path(fixtures_dir) / ORDER_ERRORS_NAME, body.encode())
+
+
+def carried_order_errors(name: str, fixtures_dir: Path, measured: Iterable[str]
+                         ) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """({variant: entry}, where from): the committed entries of case `name` for every variant
+    not in `measured`, from `fixtures_dir`'s ORDER_ERRORS_NAME, else the repository's (where its
+    manifest holds the same case: batch, sequence, seed and config)."""
+    measured = set(measured)
+    for where in dict.fromkeys([Path(fixtures_dir), FIXTURES_DIR]):
+        try:
+            record = read_order_errors(where)
+        except FixtureError:  # a corrupt file carries nothing (--check names it)
+            continue
+        entry = (record or {}).get("cases", {}).get(name)
+        if not entry:
+            continue
+        if where != Path(fixtures_dir):
+            try:
+                have = read_manifest(where)["cases"].get(name) or {}
+            except FixtureError:
+                continue
+            want = manifest_entry(CASES[name], b"")
+            if any(have.get(k) != want[k] for k in ("batch", "seq_len", "seed", "config")):
+                continue
+        return {v: e for v, e in entry.items() if v not in measured}, display_path(where / ORDER_ERRORS_NAME)
+    return {}, None
+
+
+def measured_on(capability: str) -> str:
+    """What an entry of ORDER_ERRORS_NAME says it was measured on: the CPU's model and the
+    torch CPU capability the variant's process computed with."""
+    cpu = cpu_features()
+    return f"{cpu.get('model') or cpu.get('machine') or 'unknown CPU'}; torch CPU capability {capability}"
+
+
+def build_case_tensors(case: Case, other_order_errors: Mapping[str, float] | None = None,
+                       own_order_errors_out: dict[str, float] | None = None
                        ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) of a case's file: inputs and params from `make_inputs`, goldens
-    from the torch reference, each order error the max of this process's and
-    `other_order_errors`' (the ISA variants', `variant_order_errors`)."""
+    from the torch reference, each order error `join_order_errors` of this process's and
+    `other_order_errors`' (the other ISA variants' joined); this process's own go into
+    `own_order_errors_out` where given."""
     inputs, params = make_inputs(case)
     tensors: dict[str, np.ndarray] = {**inputs, **params}
     problem = Problem(case.name, case.config_dict(), inputs, params)
     tensors.update(golden_tensors(problem, case.teachers))
     for teacher in case.teachers:
         tensors.update(order_errors(problem, tensors, teacher))
-    for name, value in (other_order_errors or {}).items():
+    own = {n: float(v) for n, v in tensors.items() if ".orderr." in n}
+    if own_order_errors_out is not None:
+        own_order_errors_out.update(own)
+    for name in other_order_errors or {}:
         if name not in tensors:
             raise RuntimeError(f"case {case.name!r}: an ISA variant computed {name}, which this process did not")
-        tensors[name] = np.asarray(max(float(tensors[name]), value), np.float64)
+    for name, value in join_order_errors({"own": own, "others": other_order_errors or {}}).items():
+        tensors[name] = np.asarray(value, np.float64)
     metadata = {**case_metadata(case), **_versions()}
     # The schema is the contract: fail here, at generation, if the reference drifts from it.
     schema = tensor_schema(case)
@@ -362,15 +461,17 @@ def build_case_tensors(case: Case, other_order_errors: Mapping[str, float] | Non
     return tensors, metadata
 
 
-def case_bytes(case: Case, other_order_errors: Mapping[str, float] | None = None) -> bytes:
+def case_bytes(case: Case, other_order_errors: Mapping[str, float] | None = None,
+               own_order_errors_out: dict[str, float] | None = None) -> bytes:
     """The exact bytes of a case's fixture file."""
-    tensors, metadata = build_case_tensors(case, other_order_errors)
+    tensors, metadata = build_case_tensors(case, other_order_errors, own_order_errors_out)
     return write_safetensors(tensors, metadata)
 
 
-def write_case(case: Case, path: str | os.PathLike, other_order_errors: Mapping[str, float] | None = None) -> bytes:
+def write_case(case: Case, path: str | os.PathLike, other_order_errors: Mapping[str, float] | None = None,
+               own_order_errors_out: dict[str, float] | None = None) -> bytes:
     """Build a case and write its file (atomically); returns the bytes written."""
-    data = case_bytes(case, other_order_errors)
+    data = case_bytes(case, other_order_errors, own_order_errors_out)
     atomic_write(Path(path), data)
     return data
 
@@ -380,13 +481,19 @@ def write_case(case: Case, path: str | os.PathLike, other_order_errors: Mapping[
 
 def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
                fixtures_dir: str | os.PathLike | None = None, out: TextIO | None = None,
-               isa_variants: Mapping[str, Mapping[str, str]] | None = None, jobs: int = 2) -> int:
+               isa_variants: Mapping[str, Mapping[str, str]] | None = None, jobs: int = 2,
+               carry: bool = True, regenerated: str | os.PathLike | None = None) -> int:
     """Write (or, with `check`, regenerate in memory and compare) the named cases, all by
-    default. Written order errors are the max over this process and `isa_variants` (default
-    ISA_VARIANTS, `jobs` subprocesses at a time; {}: this process only); `check` regenerates
-    in this process only and holds each order error within ORDERR_CHECK_FACTOR of the committed
-    one. Prints what it does and every difference; returns the exit code (0 ok, 1 a
-    difference, 2 a bad argument)."""
+    default. Written order errors are the max (`join_order_errors`) over this process and the
+    variants of `isa_variants` this CPU runs (default ISA_VARIANTS, `jobs` subprocesses at a
+    time; {}: this process only) and, with `carry`, the committed estimates of every variant not
+    measured (`carried_order_errors`); each variant's go into ORDER_ERRORS_NAME. `check`
+    regenerates in this process only, holds each order error within ORDERR_CHECK_FACTOR of the
+    committed one and the committed ones to the join of their variants' (`check_order_errors`),
+    and names the variants this CPU cannot run; with `regenerated`, a directory this process
+    regenerated the cases into (`isa_variants={}, carry=False`: the bytes `check` would
+    regenerate), it compares with those files instead of regenerating again. Prints what it does
+    and every difference; returns the exit code (0 ok, 1 a difference, 2 a bad argument)."""
     out = out if out is not None else sys.stdout
     fixtures_dir = Path(fixtures_dir) if fixtures_dir is not None else FIXTURES_DIR
     names = list(cases) if cases else list(CASES)
@@ -407,9 +514,24 @@ def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
         except FixtureError as e:
             print(f"DIFF {e}", file=out)
             manifest, problems = None, 1
+        try:
+            record = read_order_errors(fixtures_dir)
+        except FixtureError as e:
+            print(f"DIFF {e}", file=out)
+            record, problems = {}, problems + 1
+        if record is None:
+            print(f"DIFF {display_path(fixtures_dir / ORDER_ERRORS_NAME)} is missing: the order errors' "
+                  f"variants are unknown: run {fix_command(None, fixtures_dir)}", file=out)
+            record, problems = {}, problems + 1
+        for variant, why in isa_variant_blockers().items():
+            print(f"note: ISA variant {variant} not run on this CPU: {why}; --check holds this CPU's own "
+                  f"kernels to the committed estimates, which cover {variant} as measured where it runs", file=out)
         for name in names:
             t0 = time.perf_counter()
-            diffs, notes = check_case(CASES[name], fixtures_dir, manifest)
+            fresh = (Path(regenerated) / f"{name}.safetensors").read_bytes() if regenerated is not None else None
+            diffs, notes = check_case(CASES[name], fixtures_dir, manifest, fresh)
+            if record:
+                diffs += check_order_errors(CASES[name], fixtures_dir, record)
             for n in notes:
                 print(f"note {name}: {n}", file=out)
             for d in diffs:
@@ -434,28 +556,97 @@ def regenerate(cases: Iterable[str] | None = None, *, check: bool = False,
     entries = {n: e for n, e in entries.items()
                if n in CASES and (fixtures_dir / f"{n}.safetensors").exists()}
     variants = ISA_VARIANTS if isa_variants is None else isa_variants
-    others, runs = variant_order_errors(names, variants, jobs)
+    blocked = isa_variant_blockers(variants=variants)
+    own = own_variant({**ISA_VARIANTS, **variants}) or "this process (" + (", ".join(
+        f"{k}={os.environ[k]}" for k in ISA_VARIABLES if k in os.environ) or "no ISA variable set") + ")"
+    for variant, why in blocked.items():
+        print(f"ISA variant {variant} ({_settings(variants[variant])}): not measured on this CPU: {why}", file=out)
+    each, runs = variant_order_errors(names, {n: v for n, v in variants.items() if n not in blocked}, jobs)
     for variant, run in runs.items():
-        settings = " ".join(f"{k}={v}" for k, v in variants[variant].items()) or "nothing set"
-        print(f"order errors under ISA variant {variant} ({settings}; torch CPU capability {run.capability}): "
-              f"{run.seconds:.1f} s", file=out)
+        print(f"order errors under ISA variant {variant} ({_settings(variants[variant])}; torch CPU capability "
+              f"{run.capability}): {run.seconds:.1f} s", file=out)
+    measured = [own, *runs]
+    print(f"ISA variants measured here: {', '.join(measured)}; not measured: "
+          f"{', '.join(n for n in ISA_VARIANTS if n not in measured) or 'none'}", file=out)
+    try:
+        record = (read_order_errors(fixtures_dir) or {}).get("cases", {})
+    except FixtureError:
+        record = {}
+    record = {n: e for n, e in record.items() if n in entries}
+    capability = _torch_capability()
     for name in names:
         t0 = time.perf_counter()
         path = fixtures_dir / f"{name}.safetensors"
-        data = write_case(CASES[name], path, others[name])
+        entry = {v: {"measured_on": measured_on(runs[v].capability), "values": each[v][name]} for v in runs}
+        carried, where = carried_order_errors(name, fixtures_dir, measured) if carry else ({}, None)
+        if carried:
+            print(f"{name}: kept the committed order errors of {', '.join(carried)} from {where}", file=out)
+        entry.update(carried)
+        missing = [v for v in ISA_VARIANTS if v not in entry and v != own]
+        if missing:
+            print(f"{name}: WARNING: no estimate of {', '.join(missing)} (not measured here, none committed): "
+                  f"its order errors do not cover them; --check reports it", file=out)
+        own_values: dict[str, float] = {}
+        data = write_case(CASES[name], path, join_order_errors({v: e["values"] for v, e in entry.items()}),
+                          own_values)
+        record[name] = {own: {"measured_on": measured_on(capability), "values": own_values}, **entry}
         entries[name] = manifest_entry(CASES[name], data)
         print(f"wrote {display_path(path)}: {len(data):,} bytes, sha256 {sha256_of(data)[:16]}... "
               f"({time.perf_counter() - t0:.1f} s)", file=out)
     write_manifest(fixtures_dir, entries)
+    write_order_errors(fixtures_dir, record)
     total = sum(e["bytes"] for e in entries.values())
     print(f"wrote {display_path(fixtures_dir / MANIFEST_NAME)}: {len(entries)} case(s), "
           f"{total:,} bytes of fixtures ({time.perf_counter() - t_all:.1f} s)", file=out)
     return 0
 
 
-def check_case(case: Case, fixtures_dir: Path, manifest: Mapping[str, Any] | None = None
-               ) -> tuple[list[str], list[str]]:
-    """Regenerate `case` in memory and compare with the committed file.
+def _settings(settings: Mapping[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in settings.items()) or "nothing set"
+
+
+def _torch_capability() -> str:
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def check_order_errors(case: Case, fixtures_dir: Path, record: Mapping[str, Any]) -> list[str]:
+    """The differences between a committed case's order errors and its ORDER_ERRORS_NAME entry:
+    every variant of ISA_VARIANTS has an entry, and each stored order error is
+    `join_order_errors` of the entry, exactly."""
+    path = Path(fixtures_dir) / f"{case.name}.safetensors"
+    shown, fix = display_path(Path(fixtures_dir) / ORDER_ERRORS_NAME), fix_command(case.name, Path(fixtures_dir))
+    entry = record.get("cases", {}).get(case.name)
+    if not entry:
+        return [f"{shown} has no entry for {case.name!r}: run {fix}"]
+    diffs = []
+    missing = [v for v in ISA_VARIANTS if v not in entry]
+    if missing:
+        diffs.append(f"{shown}: the order errors of {case.name!r} do not cover the ISA variant(s) {', '.join(missing)} "
+                     f"(not measured where they were made, none committed): run {fix} on a CPU that runs them")
+    if not path.exists():
+        return diffs
+    try:
+        tensors, _ = read_safetensors(path.read_bytes())
+    except CorruptFile:
+        return diffs
+    joined = join_order_errors({v: e.get("values", {}) for v, e in entry.items()})
+    for tname in sorted(t for t in tensors if ".orderr." in t):
+        have = float(tensors[tname].array())
+        if tname not in joined:
+            diffs.append(f"{shown}: {case.name} {tname} has no variant's estimate: run {fix}")
+        elif have != joined[tname]:
+            top = max(entry, key=lambda v: entry[v].get("values", {}).get(tname, -np.inf))
+            diffs.append(f"{display_path(path)}: tensor {tname!r} is {have!r}, but the largest of its ISA variants' "
+                         f"estimates is {joined[tname]!r} ({top}): the stored order error must be their max: run {fix}")
+    return diffs
+
+
+def check_case(case: Case, fixtures_dir: Path, manifest: Mapping[str, Any] | None = None,
+               fresh: bytes | None = None) -> tuple[list[str], list[str]]:
+    """Regenerate `case` in memory (or take `fresh`, its bytes as `case_bytes` gives them) and
+    compare with the committed file.
 
     -> (differences, notes). Inputs, parameters and identifying metadata must match
     exactly; goldens within CHECK_RTOL (normwise, -inf/NaN patterns exact; top-k as
@@ -483,7 +674,7 @@ def check_case(case: Case, fixtures_dir: Path, manifest: Mapping[str, Any] | Non
                 if entry.get(key) != want[key]:
                     diffs.append(f"MANIFEST.json entry {case.name!r}: {key} is "
                                  f"{entry.get(key)!r}, the catalogue says {want[key]!r}")
-    fresh = case_bytes(case)
+    fresh = case_bytes(case) if fresh is None else fresh
     if fresh == committed:
         return diffs, notes
     try:
@@ -611,9 +802,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="regenerate in memory and compare with the files; exit 1 on any "
                              "difference")
-    parser.add_argument("--fixtures-dir", "--out", type=Path, default=None, metavar="DIR",
+    parser.add_argument("--fixtures-dir", "--out", type=Path, default=None, dest="fixtures_dir", metavar="DIR",
                         help="the fixture set to write or --check (default: the repository's fixtures/ in a "
-                             "clone, the installed package's own set otherwise)")
+                             "clone, the installed package's own set otherwise); a new directory takes the "
+                             "committed estimates of the ISA variants this CPU cannot run")
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -459,7 +459,12 @@ def device_line(platform: dict) -> str:
         parts.append(f"runtime {platform['runtime_version']}")
     cpu = platform.get("cpu")
     if cpu:
-        parts.append(f"CPU {cpu.get('model')} ({cpu.get('machine')}; ISA: {', '.join(cpu.get('isa') or []) or 'unknown'})")
+        parts.append(f"CPU {cpu.get('model')} ({cpu.get('machine')}; ISA: {', '.join(cpu.get('isa') or []) or 'unknown'}"
+                     + (f", emulated by {cpu['flags_from']}" if cpu.get("flags_from") else "") + ")")
+        blocked = {n: why for n, why in (cpu.get("isa_variants") or {}).items() if why != "runs"}
+        if blocked:  # the fixtures' order errors cover these by the estimates committed for them
+            parts.append("ISA variants this CPU does not run: "
+                         + "; ".join(f"{n} ({why.split(' (')[0]})" for n, why in blocked.items()))
     if platform.get("torch_cpu_capability"):
         parts.append(f"torch CPU capability {platform['torch_cpu_capability']}")
     kernels = {k: v for k, v in (platform.get("cpu_kernel_variables") or {}).items() if v}

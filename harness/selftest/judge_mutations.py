@@ -54,7 +54,8 @@ RULES = "tests/test_judge_rules.py"
 # The kinds of mistake the catalogue must hold at least one of (tests/test_judge_mutations.py).
 KINDS = ("scale", "bound", "verdict", "reference", "nan", "tie", "exit", "excuse")
 # The modules the judging runs through (the mistakes live there).
-MODULES = ("judging/judge.py", "judging/compare.py", "judging/tolerance.py", "run/collect.py", "run/report.py", "run/cli.py")
+MODULES = ("judging/judge.py", "judging/compare.py", "judging/tolerance.py", "run/collect.py", "run/report.py", "run/cli.py",
+           "run/regenerate.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +158,22 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         _rules("test_a_platform_profile_widens_the_oracle_tie_window_and_not_chunk_topks"), "platform profile",
         "the profile's factor widens the chunk-topk tie window too: a chunked run on a TPU may pick other "
         "blocks than its own native run by far more than a tie",
+    ),
+    HarnessMutant(
+        "platform_factor_in_chunk_bound", "bound", "judging/tolerance.py",
+        "        return chunk_bound(dtype, quantity)\n",
+        "        return chunk_bound(dtype, quantity) * self.oracle_factor(dtype, quantity)\n",
+        _rules("test_no_platform_profile_factor_reaches_a_self_comparison"), "platform profile",
+        "the profile's factor reaches the chunk bound: a chunked or sharded run on a TPU may differ from its "
+        "own native run by up to 974x CHUNK",
+    ),
+    HarnessMutant(
+        "platform_factor_in_backend_bound", "bound", "judging/tolerance.py",
+        "        return backend_bound(dtype, quantity)\n",
+        "        return backend_bound(dtype, quantity) * self.oracle_factor(dtype, quantity)\n",
+        _rules("test_no_platform_profile_factor_reaches_a_self_comparison"), "platform profile",
+        "the profile's factor reaches the BACKEND bound: the Pallas kernels on a TPU may differ from the XLA "
+        "path by up to 974x what a summation order explains",
     ),
     HarnessMutant(
         "order_error_ignored", "bound", "judging/judge.py",
@@ -359,6 +376,15 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "    elif agreement.status != FAILED:",
         _rules("test_sparse_end_to_end_oracle_is_compared_when_the_selections_agree"), "sparse end-to-end oracle",
         "the end-to-end sparse oracle check excused even when the selections agree",
+    ),
+    # ------------------------------------------------------------------- the order errors' join over CPU kernels
+    HarnessMutant(
+        "variant_join_keeps_the_smallest", "reference", "run/regenerate.py",
+        "            joined[name] = max(joined.get(name, value), value)",
+        "            joined[name] = min(joined.get(name, value), value)",
+        _rules("test_the_order_errors_join_over_cpu_variants_keeps_the_largest"), "order-error baseline",
+        "the regenerator stores the smallest of the ISA variants' order errors instead of the largest: the "
+        "bounds written rest on the luckiest CPU's kernels and fail on the others",
     ),
     # ------------------------------------------------------------------- the run's verdict and exit code
     HarnessMutant(
