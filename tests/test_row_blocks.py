@@ -20,7 +20,7 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b), initial=0.0) / max(np.max(np.abs(b), initial=0.0), 1e-300))
 
 
-@pytest.mark.parametrize("name,block_rows", [("packed", 1), ("packed", 5), ("ragged", 5), ("window_wide", 7),
+@pytest.mark.parametrize("name,block_rows", [("tiny", 1), ("packed", 5), ("ragged", 5), ("window_wide", 7),
                                              ("yarn_tail", 5), ("all_invalid", 3), ("no_blocks", 5)])
 def test_row_blocks_match_the_unblocked_reference(name, block_rows):
     case = CASES[name]
