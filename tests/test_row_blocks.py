@@ -57,14 +57,21 @@ def test_row_blocks_refuse_a_quantized_problem():
 
 def test_long_cases_plant_what_they_say():
     """The long cases' hazards, as numbers (SPEC section 11)."""
+    from harness.problems.cases import layout
+    from harness.problems.matrix import LONG_QUERY_BLOCKS
+
     deep, ties = LONG_CASES["long_deep_documents"], LONG_CASES["long_ties_k2048"]
     for case in (deep, ties):
         assert case.seq_len >= 131072 and case.config["compress_ratio"] == 4
         assert case.batch * case.seq_len * case.num_blocks > 2 ** 31
         assert case.config["index_n_heads"] >= 2 and case.config["num_query_heads"] >= 2
     assert deep.config["index_topk"] == 512 and ties.config["index_topk"] == 2048
+    r = LONG_QUERY_BLOCKS["long_deep_documents"]
     starts = np.cumsum((0,) + deep.documents[0][:-1])
-    assert starts[1] > 2 ** 16 and starts[2] >= deep.seq_len - deep.seq_len % 3000
+    assert deep.seq_len % r and 100003 in starts and starts[-1] >= deep.seq_len - deep.seq_len % r
     assert deep.documents[0][-1] // 4 < deep.config["index_topk"]
+    pos, _ = layout(deep)
+    assert pos.min() > 2 ** 16 > deep.config["rope_scaling"]["original_max_position"] - 1
     labels = ties.tied_blocks[0]
-    assert len(set(labels)) < len(labels) // 8
+    last = labels[-ties.documents[0][-1] // 4:]
+    assert len(last) > ties.config["index_topk"] and len(set(last)) < len(last) // 4

@@ -169,16 +169,17 @@ def compress_parts(x, p, pos, cfg: CSAConfig, dtype, wide):
 
 
 def block_validity(pos: torch.Tensor, seg: torch.Tensor, cfg: CSAConfig, rows: slice = slice(None),
-                   num_blocks: int | None = None) -> torch.Tensor:
+                   blocks: slice | None = None) -> torch.Tensor:
     """valid[b,s,j]: block j is wholly in query s's past and in its document. [B,S,W] bool;
-    for the query rows `rows` and the first `num_blocks` blocks only when given."""
+    for the query rows `rows` and the blocks `blocks` (a slice of 0..W-1) only when given."""
     B, S = pos.shape
     m = cfg.compress_ratio
-    W = S // m if num_blocks is None else num_blocks
-    U = W * m
-    block_pos = pos[:, 0:U:m]  # [B, W]
+    blocks = slice(0, S // m) if blocks is None else blocks
+    W = blocks.stop - blocks.start
+    tokens = slice(blocks.start * m, blocks.stop * m)
+    block_pos = pos[:, tokens][:, ::m]  # [B, W]
     causal = block_pos[:, None, :] + m <= pos[:, rows, None] + 1
-    seg_blocks = seg[:, :U].reshape(B, W, m)
+    seg_blocks = seg[:, tokens].reshape(B, W, m)
     same_doc = torch.all(seg_blocks[:, None, :, :] == seg[:, rows, None, None], dim=-1)
     return causal & same_doc
 

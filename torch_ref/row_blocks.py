@@ -11,8 +11,10 @@ the loss is a sum of per-row KL terms over the count of valid rows. So this modu
   `score_stage`, `block_validity`, `topk_indices`, `kl_parts`), with the rows they read;
 - hands each block only the blocks a row of it can see: a block j is valid for row s only if
   j * m + m <= s + 1 (positions grow within a document and a later document's blocks are in
-  another segment), so the keys past ceil(s_end / m) are left out. What they would add is
-  exactly nothing (a -inf score, a zero teacher and student probability);
+  another segment), so the keys past ceil(s_end / m) are left out, and only if its tokens are in
+  the row's document, so the keys before the first whole block of the block's earliest row's
+  document are left out too. What they would add is exactly nothing (a -inf score, a zero
+  teacher and student probability);
 - adds the gradients up: the keys enter each block as one wide leaf (the keys widened, exactly
   as `scoring_values` widens them), each block's backward adds its share of d loss / d keys and
   of the query parameters' gradients, and one backward from the keys to their parameters
@@ -26,7 +28,7 @@ clamped gather and padding rows; none of that is here, and the block sizes diffe
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -38,9 +40,12 @@ BLOCK_ROWS = 512
 _KEY_PARAMS = ("indexer.wkv", "indexer.wgate", "indexer.ape", "indexer.kv_norm")
 
 
-def _visible_blocks(stop: int, m: int, W: int) -> int:
-    """How many leading blocks a row before `stop` can see: ceil(stop / m), at most W."""
-    return min(W, -(-stop // m))
+def _visible_blocks(seg: torch.Tensor, rows: slice, m: int, W: int) -> slice:
+    """The blocks a row of `rows` can see: from the first whole block of the earliest row's
+    document (over the batch, the earliest) to ceil(rows.stop / m), at most W."""
+    first = min(int(torch.nonzero(seg[b] == seg[b, rows.start])[0, 0]) for b in range(seg.shape[0]))
+    stop = min(W, -(-rows.stop // m))
+    return slice(min(-(-first // m), stop), stop)
 
 
 def _blocks(S: int, block_rows: int) -> Iterator[slice]:
@@ -50,9 +55,9 @@ def _blocks(S: int, block_rows: int) -> Iterator[slice]:
         yield slice(start, min(S, start + block_rows))
 
 
-def _rows_scores(p, x, ql, pos, seg, K_in, cfg: CSAConfig, dtype, wide, rows: slice):
-    """(raw scores [B, r, Wv] wide, validity [B, r, Wv]) of the rows against the first Wv keys
-    `K_in` (already what the scores consume), by `indexer_parts`'s steps on those rows."""
+def _rows_scores(p, x, ql, pos, seg, K_in, cfg: CSAConfig, dtype, wide, rows: slice, blocks: slice):
+    """(raw scores [B, r, Wv] wide, validity [B, r, Wv]) of the rows against the keys `K_in` of
+    the blocks `blocks` (already what the scores consume), by `indexer_parts`'s steps on those rows."""
     B = x.shape[0]
     HI, DI = cfg.index_n_heads, cfg.index_head_dim
     n = rows.stop - rows.start
@@ -60,7 +65,7 @@ def _rows_scores(p, x, ql, pos, seg, K_in, cfg: CSAConfig, dtype, wide, rows: sl
     q = rope(q, pos[:, rows, None], cfg, dtype, wide)
     w = (x[:, rows] @ p["indexer.weights_proj"].to(dtype)).to(wide) * HI ** -0.5
     raw = score_stage(scoring_values(q, cfg, dtype, wide), K_in, w)
-    return raw, block_validity(pos, seg, cfg, rows, K_in.shape[1])
+    return raw, block_validity(pos, seg, cfg, rows, blocks)
 
 
 def _pad_picks(picks: torch.Tensor, k_eff: int) -> torch.Tensor:
@@ -73,10 +78,12 @@ def _pad_picks(picks: torch.Tensor, k_eff: int) -> torch.Tensor:
 
 
 def forward_blocks(params: Mapping[str, Any], inputs: Mapping[str, Any], cfg: CSAConfig, dtype: str,
-                   block_rows: int = BLOCK_ROWS) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+                   block_rows: int = BLOCK_ROWS, rows: Iterable[slice] | None = None
+                   ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
     """`indexer_forward`'s index_scores and topk_indices, one block of rows at a time: yields
-    (rows, masked scores [B, r, W] wide with -inf where invalid, picks [B, r, k_eff] int64). The
-    compressed keys are `keys(...)`. Unquantized problems only."""
+    (rows, masked scores [B, r, W] wide with -inf where invalid, picks [B, r, k_eff] int64), for
+    blocks of `block_rows` rows or the slices `rows` (in order). The compressed keys are
+    `keys(...)`. Unquantized problems only."""
     if cfg.index_quant is not None:
         raise ValueError("the row-block reference judges unquantized problems (index_quant=None)")
     with torch.no_grad():
@@ -87,12 +94,13 @@ def forward_blocks(params: Mapping[str, Any], inputs: Mapping[str, Any], cfg: CS
         B, S = pos.shape
         W, m = K_in.shape[1], cfg.compress_ratio
         k_eff = min(cfg.index_topk, W)
-        for rows in _blocks(S, block_rows):
-            wv = _visible_blocks(rows.stop, m, W)
-            raw, valid = _rows_scores(p, x, ql, pos, seg, K_in[:, :wv], cfg, dtype_t, wide, rows)
-            scores = torch.full((B, rows.stop - rows.start, W), float("-inf"), dtype=wide)
-            scores[..., :wv] = torch.where(valid, raw, torch.full_like(raw, float("-inf")))
-            yield rows, scores, _pad_picks(topk_indices(scores[..., :wv], valid, cfg.index_topk), k_eff)
+        for r in (_blocks(S, block_rows) if rows is None else rows):
+            vis = _visible_blocks(seg, r, m, W)
+            raw, valid = _rows_scores(p, x, ql, pos, seg, K_in[:, vis], cfg, dtype_t, wide, r, vis)
+            scores = torch.full((B, r.stop - r.start, W), float("-inf"), dtype=wide)
+            scores[..., vis] = torch.where(valid, raw, torch.full_like(raw, float("-inf")))
+            picks = topk_indices(scores[..., vis], valid, cfg.index_topk)
+            yield r, scores, _pad_picks(torch.where(picks >= 0, picks + vis.start, picks), k_eff)
 
 
 def keys(params, inputs, cfg: CSAConfig, dtype: str) -> torch.Tensor:
@@ -122,11 +130,12 @@ def loss_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection=None, b
         total = torch.zeros((), dtype=wide)
         count = torch.zeros((), dtype=torch.int64)
         for rows in _blocks(S, block_rows):
-            wv = _visible_blocks(rows.stop, m, K_leaf.shape[1])
-            raw, valid = _rows_scores(p, x, ql, pos, seg, K_leaf[:, :wv], cfg, dtype_t, wide, rows)
-            parts = kl_parts(raw, valid, t["tq"][:, rows], t["tkv"][:, :wv], cfg, wide,
-                             None if sel is None else sel[:, rows], seg=seg, twkv=t["twkv"], sink=t["sink"],
-                             rows=rows)
+            vis = _visible_blocks(seg, rows, m, K_leaf.shape[1])
+            raw, valid = _rows_scores(p, x, ql, pos, seg, K_leaf[:, vis], cfg, dtype_t, wide, rows, vis)
+            # the selection's block ids counted from the first visible block (-1 stays out of range)
+            picks = None if sel is None else torch.where(sel[:, rows] >= 0, sel[:, rows] - vis.start, -1)
+            parts = kl_parts(raw, valid, t["tq"][:, rows], t["tkv"][:, vis], cfg, wide, picks,
+                             seg=seg, twkv=t["twkv"], sink=t["sink"], rows=rows)
             block_sum = torch.sum(parts["kl"])
             if block_sum.requires_grad:
                 block_sum.backward()
