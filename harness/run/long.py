@@ -21,12 +21,12 @@ import time
 
 import numpy as np
 
-from ..judging.compare import CloseStream, TopkStream, oracle_relative_result
+from ..judging.compare import CloseStream, TopkStream, oracle_relative_result, status_result
 from ..judging.judge import judge
-from ..outputs import References
+from ..outputs import MODES, NOT_APPLICABLE, References
 from ..points import Entry
 from ..problems.cases import LONG_CASES, make_inputs
-from ..problems.matrix import LONG_DTYPES, entries_at, long_points
+from ..problems.matrix import LONG_DTYPES, entries_at, long_points  # noqa: F401  (long_points: re-exported)
 from ..sides import long_sides
 from ..sides.long_sides import JUDGE_ROWS
 
@@ -52,10 +52,13 @@ class _Clock:
         return now
 
 
-def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None, log=print):
+def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None, log=print, query_blocks=None):
     """[(Entry, CheckResult)] of every entry of the long case's points at `dtypes`, and the time
     per stage {jax, oracle, judge} in seconds. `case`: another Case to judge in its place (the
-    tests' shortened copies)."""
+    tests' shortened copies). `query_blocks`: the indices of the candidate's query blocks whose
+    rows are judged (default every one); where they are not all, the forward quantities are
+    judged on those rows (the reference's error at the dtype measured on the same rows) and the
+    loss and gradients, which need every row, are not applicable."""
     from ..judging.tolerance import Policy
 
     policy = policy or Policy()
@@ -77,10 +80,12 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
     st = {t: streams(t) for t in dtypes}
     k_eff = case.k_eff
     selection = np.empty((B, S, k_eff), np.int32)
-    slices = [slice(s, min(s + JUDGE_ROWS, b0 + r, S)) for b0 in range(0, S, r) for s in range(b0, min(b0 + r, S), JUDGE_ROWS)]
+    starts = [i * r for i in (range(-(-S // r)) if query_blocks is None else query_blocks)]
+    every_row = query_blocks is None or len(set(starts)) == -(-S // r)
+    slices = [slice(s, min(s + JUDGE_ROWS, b0 + r, S)) for b0 in starts for s in range(b0, min(b0 + r, S), JUDGE_ROWS)]
     oracle_gen = long_sides.reference_forward(params, inputs, problem, "float64", slices)
     at_gen = {t: long_sides.reference_forward(params, inputs, problem, t, slices) for t in dtypes}
-    for b0 in range(0, S, r):
+    for b0 in starts:
         t0 = time.perf_counter()
         cand = {t: [long_sides.candidate_rows(params, inputs, problem, p, b0, r) for p in points[t]] for t in dtypes}
         t0 = clock.add("jax", t0)
@@ -106,17 +111,21 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
             f"peak {peak_rss_gib():.2f} GiB)")
 
     t0 = time.perf_counter()
+    losses = every_row and set(modes or ("dense",)) != {"forward"}
+    rows_note = "" if every_row else (f"; judged on the rows of query blocks {', '.join(map(str, sorted(set(starts))))} "
+                                      f"of {r} rows only")
     oracle = {"compressed_keys": long_sides.reference_keys(params, inputs, problem, "float64"),
-              **long_sides.reference_losses(params, inputs, problem, "float64", None)}
+              **(long_sides.reference_losses(params, inputs, problem, "float64", None) if losses else {})}
     t0 = clock.add("oracle", t0)
     out = []
     for t in dtypes:
         at_dtype = {"compressed_keys": long_sides.reference_keys(params, inputs, problem, t),
-                    **long_sides.reference_losses(params, inputs, problem, t, selection)}
+                    **(long_sides.reference_losses(params, inputs, problem, t, selection) if losses else {})}
         t0 = clock.add("oracle", t0)
         chunked, native = points[t]
         cand = {p: {"compressed_keys": long_sides.candidate_keys(params, inputs, problem, p),
-                    **long_sides.candidate_losses(params, inputs, problem, p, selection)} for p in (chunked, native)}
+                    **(long_sides.candidate_losses(params, inputs, problem, p, selection) if losses else {})}
+                for p in (chunked, native)}
         t0 = clock.add("jax", t0)
         s_ = st[t]
         t_err = s_["torch"].worst
@@ -141,19 +150,36 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
                               native=None if native_of is None else long_sides.as_outputs("jax native", cand[native_of]),
                               dims=dims(case), streamed=streamed)
             outputs = long_sides.as_outputs("jax", cand[p])
-            for entry in entries_at(p, modes):
+            for entry in _entries(p, modes):
+                if entry.mode != "forward" and not every_row:
+                    why = ("not applicable on sampled rows: the loss and its gradients are means over every "
+                           "row" + rows_note)
+                    out.append((entry, status_result("-", entry.quantity, NOT_APPLICABLE, why).with_context(entry.label)))
+                    continue
                 for res in judge(entry, outputs, refs, policy):
-                    if res.check == "topk" or res.template == "topk":
-                        res = _with_note(res, note)
+                    if res.template == "topk" or (entry.quantity == sc and res.check == "oracle"):
+                        res = _with_note(res, note + rows_note)
                     out.append((entry, res))
         t0 = clock.add("judge", t0)
     return out, clock.s
 
 
+def _entries(point, modes):
+    """The entries of a long point: its forward entries too where it chunks the teacher (the
+    matrix judges those at teacher chunk 0, `entries_at`; the forward does not read the teacher
+    chunk, so they are labelled at 0 and judged from the same program's rows)."""
+    import dataclasses
+
+    if not point.tchunk or (modes is not None and "forward" not in modes):
+        return entries_at(point, modes)
+    forward = entries_at(dataclasses.replace(point, tchunk=0), ("forward",))
+    return forward + entries_at(point, [m for m in (modes or MODES) if m != "forward"])
+
+
 def _with_note(res, note):
     import dataclasses
 
-    return dataclasses.replace(res, note=res.note + note)
+    return dataclasses.replace(res, note=res.note + note) if note else res
 
 
 def run(args) -> int:
