@@ -168,27 +168,10 @@ def _pattern(check, quantity, bound, where, count, total, note) -> CheckResult:
     return CheckResult(check, quantity, FAILED, math.inf, bound, where, count, total, note, template="pattern")
 
 
-def _nonfinite_problem(check, quantity, x, ref, bound):
-    """A failed CheckResult if NaN appears or the +-inf patterns differ, else None."""
-    x_nan, r_nan = np.isnan(x), np.isnan(ref)
-    if x_nan.any() or r_nan.any():
-        bad = x_nan | r_nan
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        side = "candidate" if x_nan.any() else "reference"
-        return _pattern(check, quantity, bound, where, int(bad.sum()), x.size, f"NaN in the {side}")
-    x_inf, r_inf = np.isinf(x), np.isinf(ref)
-    differ = (x_inf != r_inf) | (x_inf & r_inf & (np.sign(x) != np.sign(ref)))
-    if differ.any():
-        where = tuple(int(i) for i in np.argwhere(differ)[0])
-        return _pattern(check, quantity, bound, where, int(differ.sum()), x.size,
-                        f"-inf pattern differs (candidate {x[where]!r}, reference {ref[where]!r})")
-    return None
-
-
 def normalised_error(x, ref, scale: str = "tensor") -> tuple[float, tuple | None, np.ndarray]:
     """(max normalised |x - ref|, index of the max, per-element normalised error).
 
-    Non-finite entries (which must coincide; see `_nonfinite_problem`) are ignored.
+    Non-finite entries (which must coincide; `CloseStream` checks that first) are ignored.
     """
     x = np.asarray(x, np.float64)
     ref = np.asarray(ref, np.float64)
