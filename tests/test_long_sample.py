@@ -10,6 +10,7 @@ from harness.run.cli import main
 from harness.run.report import record, rerun_command
 
 
+@pytest.mark.torch
 def test_the_last_query_block_of_a_long_case_is_judged_past_2_31():
     """long_deep_documents' last query block (rows 129000 .. 131071 of S = 131072, W = 32768): every
     row * W offset past 2^31, a document starting at 129500 inside the block, rows with fewer valid

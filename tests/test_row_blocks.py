@@ -4,11 +4,14 @@ ragged S, windows, YaRN, no blocks and no valid block, with block sizes that do 
 
 import numpy as np
 import pytest
+from needs import skip_module_without_torch
 
-from harness.problems.cases import CASES, LONG_CASES, make_inputs
-from torch_ref import reference as ref
-from torch_ref import row_blocks
-from torch_ref.config import CSAConfig
+skip_module_without_torch()
+
+from harness.problems.cases import CASES, LONG_CASES, make_inputs  # noqa: E402
+from torch_ref import reference as ref  # noqa: E402
+from torch_ref import row_blocks  # noqa: E402
+from torch_ref.config import CSAConfig  # noqa: E402
 
 # Float64 against float64: measured at most 1.6e-15 (relative to each quantity's largest |value|)
 # over these cases and modes; 1e-12 leaves room for another BLAS's summation order.
