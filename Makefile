@@ -74,7 +74,7 @@ SAMPLE ?= ci
 XDIST ?= 0
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
 	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_training.py tests/test_fixtures.py \
-	tests/test_caches.py tests/test_installed.py
+	tests/test_caches.py tests/test_installed.py tests/test_long_sample.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -229,3 +229,8 @@ class References:
     own_missing: str = ""
     # The problem's `index_quant` (format, block, hadamard), or None: what the codes rule reads.
     quant: Mapping | None = None
+    # Checks already judged as reductions over row blocks (harness.judging.compare's streams), for a
+    # problem too long for whole [B, S, W] arrays (SPEC section 11): "topk" (the candidate's picks
+    # against the oracle's), "native-topk" (against its native run's), "oracle:index_scores" and
+    # "native:index_scores". The judge takes them in place of comparing arrays it is not handed.
+    streamed: Mapping[str, Any] = dataclasses.field(default_factory=dict)

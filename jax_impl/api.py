@@ -137,6 +137,28 @@ def indexer_forward(params, inputs, cfg: CSAConfig, dtype: str, codes=None):
     return _forward_jit(wide_params, {**float_inputs, **int_inputs}, cfg, dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("rows", "cfg", "dtype_name"))
+def _forward_rows_jit(params, inputs, start, rows, cfg, dtype_name):
+    return query_blocks.forward_rows(params, inputs, start, rows, cfg, dtype_name)
+
+
+def indexer_forward_rows(params, inputs, cfg: CSAConfig, dtype: str, start: int, rows: int):
+    """(index_scores [B, n, W] (wide, -inf invalid), topk_indices [B, n, k_eff]) of the query rows
+    start .. start + n - 1, n = min(rows, S - start): a block of `indexer_forward`'s rows, for a
+    problem whose [B, S, W] scores are too large to hold (the keys are computed for the whole
+    sequence on every call). One program per (config, dtype, shapes, rows); `start` is traced.
+    Unquantized problems."""
+    if cfg.index_quant is not None:
+        raise ValueError("indexer_forward_rows scores unquantized problems (index_quant=None)")
+    wide_params, float_inputs, int_inputs, _ = prepare_arguments(params, inputs, cfg, dtype, teacher=False)
+    seq_len = int(int_inputs["position_ids"].shape[1])
+    if not (0 <= start < seq_len and rows >= 1):
+        raise ValueError(f"start={start}, rows={rows}: need 0 <= start < S={seq_len} and rows >= 1")
+    scores, topk = _forward_rows_jit(wide_params, {**float_inputs, **int_inputs}, jnp.int32(start), rows, cfg, dtype)
+    n = min(rows, seq_len - start)
+    return scores[:, :n], topk[:, :n]
+
+
 def indexer_loss(params, inputs, cfg: CSAConfig, dtype: str, selection=None, codes=None):
     """The scalar KL loss (wide dtype); `selection` replaces the own top-k in sparse mode.
 

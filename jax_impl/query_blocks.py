@@ -175,6 +175,18 @@ def forward(params, inputs, cfg, dtype_name):
             **codes_dict(query_codes, key_codes)}
 
 
+def forward_rows(params, inputs, start, rows: int, cfg, dtype_name):
+    """(masked scores [B, rows, W] wide, top-k [B, rows, k_eff]) of the rows start .. start + rows - 1
+    only, the keys computed for the whole sequence: what `forward` gives for those rows, without
+    the other rows' [B, S, W]. Query blocks of `cfg.query_chunk` rows counted from `start` (0: the
+    rows in one block). Rows past S repeat row S - 1 (a clamped gather): the caller cuts them."""
+    _, keys_wide, blocks, _ = _setup(params, inputs, cfg, dtype_name)
+    idx = start + jnp.arange(rows)
+    row_inputs = {n: _take_rows(inputs[n], idx) for n in ("hidden_states", "q_latent", "position_ids", "segment_ids")}
+    r = block_rows(cfg, rows) if cfg.query_chunk else rows
+    return rows_forward(params, keys_wide, blocks, row_inputs, cfg, dtype_name, r)
+
+
 def rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, r: int, shard=ONE_DEVICE, with_codes=False):
     """(masked scores [B, S, W] wide, top-k [B, S, k_eff]) of the rows of `inputs` against the
     keys `keys_wide` [B, W, DI] (wide) and their `blocks` (scoring.key_blocks), `r` rows a block;

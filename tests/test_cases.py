@@ -8,7 +8,7 @@ import pytest
 
 import jax_impl
 from harness.problems.cases import (CASES, INPUT_NAMES, KNOB_FIELDS, PARAM_NAMES, PROBLEM_FIELDS, TEACHERS, V4_YARN,
-                                    Case, full_config, get_case, make_inputs)
+                                    Case, full_config, get_case, layout, make_inputs)
 
 REQUIRED = ("tiny", "small", "packed", "ragged", "no_blocks", "topk_wide", "ties", "flash_dims",
             "window_only", "sink_only", "window_one", "window_wide", "window_heavy", "teacher_gap",
@@ -156,9 +156,10 @@ def test_bad_entries_are_refused():
         Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-", teachers=("compressed",))
     with pytest.raises(ValueError, match="must hold 'joint' and only joint, compressed"):
         Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-", teachers=("joint", "dense"))
-    with pytest.raises(ValueError, match="position_offset needs one document per row"):
-        Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-",
-             documents=((4, 4),), position_offset=10)
+    # position_offset starts every document's positions (a packed row of long documents' tails)
+    pos, seg = layout(Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-",
+                           documents=((4, 4),), position_offset=10))
+    assert pos.tolist() == [[10, 11, 12, 13, 10, 11, 12, 13]] and seg.tolist() == [[1, 1, 1, 1, 2, 2, 2, 2]]
     with pytest.raises(ValueError, match="documents must give 1 rows"):
         Case("x", CASES["small"].config, batch=1, seq_len=8, seed=0, exercises="-",
              documents=((3, 3),))

@@ -131,3 +131,43 @@ def test_a_check_result_takes_only_the_known_statuses():
     with pytest.raises(ValueError, match=r"^CheckResult status=True is not one of passed, failed, excused, "
                                          r"not_provided, not_applicable"):
         CheckResult("oracle", "loss", True, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("plant", ["none", "worst", "nan", "inf"])
+def test_a_close_stream_over_row_blocks_is_the_whole_comparison(plant):
+    """SPEC section 11: merging row blocks is exact (the worst and where, the counts, the first
+    NaN or -inf mismatch), for any cut of the rows and any merge order."""
+    from harness.judging.compare import CloseStream
+
+    rng = np.random.default_rng(7)
+    ref = rng.standard_normal((2, 37, 11))
+    ref[0, 3, 5:] = -np.inf
+    x = ref + rng.standard_normal(ref.shape) * 1e-6
+    if plant == "worst":
+        x[1, 30, 2] += 1e-3
+        x[0, 20, 1] += 1e-3 * np.max(np.abs(ref[0, 20])) / np.max(np.abs(ref[1, 30]))
+    elif plant == "nan":
+        x[1, 12, 4] = x[0, 33, 0] = np.nan
+    elif plant == "inf":
+        x[0, 3, 6] = 0.5
+        x[1, 36, 1] = -np.inf
+    whole = compare_close("oracle", "index_scores", x, ref, 1e-5, "row")
+    for cut in (1, 5, 36):
+        parts = [CloseStream("row", 1e-5).add(x[:, s:s + cut], ref[:, s:s + cut], (0, s)) for s in range(0, 37, cut)]
+        merged = CloseStream("row", 1e-5)
+        for p in parts[::-1]:
+            merged.merge(p)
+        assert merged.result("oracle", "index_scores", 1e-5) == whole
+
+
+def test_a_topk_stream_judges_with_a_tolerance_given_at_the_end():
+    from harness.judging.compare import TopkStream
+
+    scores = _scores()
+    oracle = np.array([[[0, 1, 2], [0, 1, 3]]])
+    cand = np.array([[[0, 1, 3], [0, 1, 2]]])  # row 0: not a tie; row 1: a tie within 1e-9
+    whole = topk_sets("topk_indices", cand, oracle, scores, 1e-6)
+    stream = TopkStream().add(cand[:, 1:], oracle[:, 1:], scores[:, 1:], (0, 1))
+    stream.merge(TopkStream().add(cand[:, :1], oracle[:, :1], scores[:, :1]))
+    assert stream.result("topk_indices", lambda row_max: 1e-6) == whole
+    assert whole.status == "failed" and whole.where == (0, 0) and whole.stats["excused"] == 1

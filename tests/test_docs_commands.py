@@ -120,6 +120,8 @@ HOW = {
     "python -m harness.selftest.mutations": HELP,
     "python -m harness.selftest.mutations --only NAME": HELP,
     "python -m harness.selftest.mutations --dtype float32": HELP,
+    "python -m harness.selftest.mutations --length": HELP,
+    "csa-parity run --sample long": HELP,
     "python scripts/measure_platform_profile.py --write --no-cache": HELP,
     "python -m harness.run.multihost --judge /shared/mh": HELP,
     "python -m harness.run.multihost --judge /tmp/mh": HELP,

@@ -168,16 +168,19 @@ def compress_parts(x, p, pos, cfg: CSAConfig, dtype, wide):
 # --------------------------------------------------------------------------- §7 scores, top-k
 
 
-def block_validity(pos: torch.Tensor, seg: torch.Tensor, cfg: CSAConfig) -> torch.Tensor:
-    """valid[b,s,j]: block j is wholly in query s's past and in its document. [B,S,W] bool."""
+def block_validity(pos: torch.Tensor, seg: torch.Tensor, cfg: CSAConfig, rows: slice = slice(None),
+                   blocks: slice | None = None) -> torch.Tensor:
+    """valid[b,s,j]: block j is wholly in query s's past and in its document. [B,S,W] bool;
+    for the query rows `rows` and the blocks `blocks` (a slice of 0..W-1) only when given."""
     B, S = pos.shape
     m = cfg.compress_ratio
-    W = S // m
-    U = W * m
-    block_pos = pos[:, 0:U:m]  # [B, W]
-    causal = block_pos[:, None, :] + m <= pos[:, :, None] + 1
-    seg_blocks = seg[:, :U].reshape(B, W, m)
-    same_doc = torch.all(seg_blocks[:, None, :, :] == seg[:, :, None, None], dim=-1)
+    blocks = slice(0, S // m) if blocks is None else blocks
+    W = blocks.stop - blocks.start
+    tokens = slice(blocks.start * m, blocks.stop * m)
+    block_pos = pos[:, tokens][:, ::m]  # [B, W]
+    causal = block_pos[:, None, :] + m <= pos[:, rows, None] + 1
+    seg_blocks = seg[:, tokens].reshape(B, W, m)
+    same_doc = torch.all(seg_blocks[:, None, :, :] == seg[:, rows, None, None], dim=-1)
     return causal & same_doc
 
 
@@ -240,27 +243,30 @@ def kl_loss(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None, *,
     return kl_parts(raw, valid, tq, tkv, cfg, wide, selection, seg=seg, twkv=twkv, sink=sink)["loss"]
 
 
-def window_logits(tq, twkv, seg, n: int) -> torch.Tensor:
+def window_logits(tq, twkv, seg, n: int, rows: slice = slice(None)) -> torch.Tensor:
     """The sliding-window logits u [B,H,S,n] (SPEC §8): u[..., s, t] = tq[s] . twkv[s - t]
     for t = 0..n-1, MASK added where s - t < 0 or token s - t is in another document. Only
-    the band is built: n keys per query, gathered, never an [S, S] array."""
+    the band is built: n keys per query, gathered, never an [S, S] array. `rows`: tq holds
+    those query rows only (twkv and seg every row)."""
     B, S = seg.shape
-    r = torch.arange(S)[:, None] - torch.arange(n)[None, :]  # [S, n] token indices s - t
+    r = torch.arange(S)[rows][:, None] - torch.arange(n)[None, :]  # [rows, n] token indices s - t
     rc = r.clamp(min=0)  # gather in range, mask afterwards
-    keys = twkv[:, rc]  # [B, S, n, D]
-    win_valid = (r >= 0)[None] & (seg[:, rc] == seg[:, :, None])  # [B, S, n]
+    keys = twkv[:, rc]  # [B, rows, n, D]
+    win_valid = (r >= 0)[None] & (seg[:, rc] == seg[:, rows, None])  # [B, rows, n]
     u = torch.einsum("bshd,bsnd->bhsn", tq, keys)  # [B, H, S, n]
     return torch.where(win_valid[:, None], u, u + MASK)
 
 
 def kl_parts(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None, *,
-             seg=None, twkv=None, sink=None) -> dict:
-    """The loss's stages: teacher distribution T [B,S,W], student log-probabilities [B,S,W], loss.
+             seg=None, twkv=None, sink=None, rows: slice = slice(None)) -> dict:
+    """The loss's stages: teacher distribution T [B,S,W], student log-probabilities [B,S,W], loss,
+    and each row's KL term `kl` [B,S] and validity `valid_tok` [B,S] (the loss is their sum over
+    the valid count, times loss_scale).
 
     raw [B,S,W] and valid [B,S,W] from the indexer; the teacher tq [B,S,H,D], tkv [B,W,D],
     and for the joint teacher sink [H] and (sliding_window > 0) twkv [B,S,D] and the segment
-    ids seg [B,S], all detached, wide.
-    """
+    ids seg [B,S], all detached, wide. `rows`: raw, valid, tq and selection hold those query rows
+    only (twkv and seg every row, for the window)."""
     B, S, W = raw.shape
     invalid = ~valid
     if cfg.sparse_loss:
@@ -285,12 +291,12 @@ def kl_parts(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None, *,
         if sink is None:
             raise ValueError("the joint teacher needs attention_sink")
         logits = [sink.reshape(1, H, 1, 1).expand(B, H, S, 1)]
-        n = min(cfg.sliding_window, S)
+        n = min(cfg.sliding_window, seg.shape[1] if seg is not None else S)
         if n > 0:
             if twkv is None or seg is None:
                 raise ValueError("the joint teacher with a sliding window needs "
                                  "teacher_window_kv and segment_ids")
-            logits.append(window_logits(tq, twkv, seg, n))
+            logits.append(window_logits(tq, twkv, seg, n, rows))
         logits.append(a)
         probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)[..., 1 + n:]  # [B, H, S, W]
     T = torch.sum(probs, dim=1)  # [B, S, W]
@@ -311,7 +317,8 @@ def kl_parts(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None, *,
                         torch.zeros_like(T))
     kl = torch.where(valid_tok, torch.sum(terms, dim=-1), torch.zeros_like(valid_tok, dtype=wide))
     count = torch.clamp(torch.sum(valid_tok), min=1).to(wide)
-    return {"teacher": T, "student": log_p, "loss": cfg.loss_scale * torch.sum(kl) / count}
+    return {"teacher": T, "student": log_p, "loss": cfg.loss_scale * torch.sum(kl) / count,
+            "kl": kl, "valid_tok": valid_tok}
 
 
 # --------------------------------------------------------------------------- entry points

@@ -19,6 +19,13 @@ All errors are *normalised* so one bound serves tensors of any scale:
 
 The top-k tie rule (`topk_sets`) is the only one in the project: the judge and the
 fixture `--check` (harness.run.regenerate) both call it.
+
+Streaming (SPEC section 11). The close comparison and the top-k rule are reductions over blocks
+of rows: `CloseStream` and `TopkStream` take one block at a time (`add`, with the block's offset
+in the whole array) and merge exactly (`merge`: max with the first index, sums, the first
+mismatch), and `result` judges what they hold against a bound given at the end. `compare_close`,
+`oracle_relative` and `topk_sets` are those streams fed a single block, so a whole array and a
+problem too long to hold are judged by the same code.
 """
 
 from __future__ import annotations
@@ -161,27 +168,10 @@ def _pattern(check, quantity, bound, where, count, total, note) -> CheckResult:
     return CheckResult(check, quantity, FAILED, math.inf, bound, where, count, total, note, template="pattern")
 
 
-def _nonfinite_problem(check, quantity, x, ref, bound):
-    """A failed CheckResult if NaN appears or the +-inf patterns differ, else None."""
-    x_nan, r_nan = np.isnan(x), np.isnan(ref)
-    if x_nan.any() or r_nan.any():
-        bad = x_nan | r_nan
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        side = "candidate" if x_nan.any() else "reference"
-        return _pattern(check, quantity, bound, where, int(bad.sum()), x.size, f"NaN in the {side}")
-    x_inf, r_inf = np.isinf(x), np.isinf(ref)
-    differ = (x_inf != r_inf) | (x_inf & r_inf & (np.sign(x) != np.sign(ref)))
-    if differ.any():
-        where = tuple(int(i) for i in np.argwhere(differ)[0])
-        return _pattern(check, quantity, bound, where, int(differ.sum()), x.size,
-                        f"-inf pattern differs (candidate {x[where]!r}, reference {ref[where]!r})")
-    return None
-
-
 def normalised_error(x, ref, scale: str = "tensor") -> tuple[float, tuple | None, np.ndarray]:
     """(max normalised |x - ref|, index of the max, per-element normalised error).
 
-    Non-finite entries (which must coincide; see `_nonfinite_problem`) are ignored.
+    Non-finite entries (which must coincide; `CloseStream` checks that first) are ignored.
     """
     x = np.asarray(x, np.float64)
     ref = np.asarray(ref, np.float64)
@@ -207,19 +197,126 @@ def normalised_error(x, ref, scale: str = "tensor") -> tuple[float, tuple | None
     return float(err[idx]), tuple(int(i) for i in idx), err
 
 
+# The most normalised errors a `CloseStream` keeps for the mismatch count (above its `keep_above`):
+# past this many the largest are kept and the count is reported as a lower bound. A candidate
+# that is right has none above the bound; one that is wrong fails on its worst element whatever
+# the count says. 2**20 float64 values: 8 MiB.
+LEDGER_CAP = 2 ** 20
+
+
+class CloseStream:
+    """The close comparison of SPEC section 10 as a reduction over blocks: the worst normalised
+    |x - ref| and its index, the element count, the normalised errors above `keep_above` (the
+    smallest bound the result may be judged against: what the mismatch count needs), and the NaN
+    and +-inf pattern (counts and the first index). `scale` "row" normalises each row of the last
+    axis by its own largest |ref|, so a block of rows is judged alone; "tensor" (one normaliser
+    for the whole array) takes a single block."""
+
+    def __init__(self, scale: str = "tensor", keep_above: float = 0.0):
+        self.scale, self.keep_above = scale, keep_above
+        self.worst, self.where, self.total, self.blocks = 0.0, None, 0, 0
+        self.ledger: list[np.ndarray] = []
+        self.kept = self.dropped = 0
+        self.shape_note = ""
+        self.nan = self.inf = 0
+        self.nan_first = self.inf_first = None
+        self.nan_in_candidate = False
+        self.inf_note = ""
+
+    def add(self, x, ref, offset: tuple = ()) -> "CloseStream":
+        """One block: `x`, `ref` (the same shape) whose element 0 sits at `offset` of the whole
+        array (leading axes; missing ones are 0)."""
+        x, ref = to_numpy(x).astype(np.float64), to_numpy(ref).astype(np.float64)
+        self.blocks += 1
+        if self.blocks > 1 and self.scale != "row":
+            raise ValueError("a tensor-scale comparison needs the whole array in one block")
+        if x.shape != ref.shape:
+            self.shape_note = self.shape_note or f"shape differs: candidate {x.shape}, reference {ref.shape}"
+            self.total += max(x.size, ref.size)
+            return self
+        off = tuple(offset) + (0,) * (x.ndim - len(offset))
+
+        def at(idx):
+            return tuple(int(i) + o for i, o in zip(idx, off))
+
+        x_nan, r_nan = np.isnan(x), np.isnan(ref)
+        if x_nan.any() or r_nan.any():
+            bad = x_nan | r_nan
+            self.nan += int(bad.sum())
+            self.nan_in_candidate |= bool(x_nan.any())
+            first = at(np.argwhere(bad)[0])
+            self.nan_first = first if self.nan_first is None else min(self.nan_first, first)
+        else:
+            x_inf, r_inf = np.isinf(x), np.isinf(ref)
+            differ = (x_inf != r_inf) | (x_inf & r_inf & (np.sign(x) != np.sign(ref)))
+            if differ.any():
+                i = tuple(np.argwhere(differ)[0])
+                self.inf += int(differ.sum())
+                if self.inf_first is None or at(i) < self.inf_first:
+                    self.inf_first = at(i)
+                    self.inf_note = f"-inf pattern differs (candidate {x[i]!r}, reference {ref[i]!r})"
+        self.total += x.size
+        error, where, per_elem = normalised_error(x, ref, self.scale)
+        if where is None and x.ndim:  # empty block
+            return self
+        where = at(where) if where is not None else None
+        if self.where is None and self.blocks == 1 or error > self.worst or (
+                error == self.worst and where is not None and self.where is not None and where < self.where):
+            self.worst, self.where = error, where
+        above = np.asarray(per_elem)[np.asarray(per_elem) > self.keep_above].ravel()
+        if above.size:
+            self.ledger.append(above)
+            self.kept += above.size
+            if self.kept > LEDGER_CAP:
+                every = np.sort(np.concatenate(self.ledger))[::-1]
+                self.dropped += every.size - LEDGER_CAP
+                self.ledger, self.kept = [every[:LEDGER_CAP]], LEDGER_CAP
+        return self
+
+    def merge(self, other: "CloseStream") -> "CloseStream":
+        """Both streams' blocks in one (exact: max with the smaller index on a tie, sums, the
+        first mismatch)."""
+        if other.blocks == 0:
+            return self
+        if self.blocks == 0 or other.worst > self.worst or (
+                other.worst == self.worst and other.where is not None and (self.where is None or other.where < self.where)):
+            self.worst, self.where = other.worst, other.where
+        self.blocks += other.blocks
+        self.total += other.total
+        self.shape_note = self.shape_note or other.shape_note
+        self.nan += other.nan
+        self.nan_in_candidate |= other.nan_in_candidate
+        if other.nan_first is not None and (self.nan_first is None or other.nan_first < self.nan_first):
+            self.nan_first = other.nan_first
+        self.inf += other.inf
+        if other.inf_first is not None and (self.inf_first is None or other.inf_first < self.inf_first):
+            self.inf_first, self.inf_note = other.inf_first, other.inf_note
+        self.ledger += other.ledger
+        self.kept += other.kept
+        self.dropped += other.dropped
+        return self
+
+    def result(self, check: str, quantity: str, bound: float, note: str = "") -> CheckResult:
+        """Judged against `bound` (at least `keep_above`, or the mismatch count is short):
+        a shape, NaN or +-inf pattern difference fails first, then the worst normalised error."""
+        if self.shape_note:
+            return _pattern(check, quantity, bound, None, self.total, self.total, self.shape_note)
+        if self.nan:
+            side = "candidate" if self.nan_in_candidate else "reference"
+            return _pattern(check, quantity, bound, self.nan_first, self.nan, self.total, f"NaN in the {side}")
+        if self.inf:
+            return _pattern(check, quantity, bound, self.inf_first, self.inf, self.total, self.inf_note)
+        mismatched = sum(int(np.sum(a > bound)) for a in self.ledger)
+        if self.dropped and mismatched >= self.kept:
+            note = (f"{note}; " if note else "") + f"at least {mismatched} mismatched (only the largest {LEDGER_CAP} kept)"
+        status = PASSED if self.worst <= bound else FAILED
+        return CheckResult(check, quantity, status, self.worst, bound, self.where, mismatched, max(self.total, 1), note)
+
+
 def compare_close(check: str, quantity: str, x, ref, bound: float, scale: str = "tensor", note: str = "") -> CheckResult:
-    """Normalised error of x against ref, judged against `bound`; NaN and -inf patterns first."""
-    x, ref = to_numpy(x).astype(np.float64), to_numpy(ref).astype(np.float64)
-    if x.shape != ref.shape:
-        return _pattern(check, quantity, bound, None, x.size, ref.size,
-                        f"shape differs: candidate {x.shape}, reference {ref.shape}")
-    problem = _nonfinite_problem(check, quantity, x, ref, bound)
-    if problem is not None:
-        return problem
-    error, where, per_elem = normalised_error(x, ref, scale)
-    mismatched = int(np.sum(per_elem > bound))
-    status = PASSED if error <= bound else FAILED
-    return CheckResult(check, quantity, status, error, bound, where, mismatched, max(x.size, 1), note)
+    """Normalised error of x against ref, judged against `bound`; NaN and -inf patterns first
+    (a `CloseStream` of one block)."""
+    return CloseStream(scale, keep_above=bound).add(x, ref).result(check, quantity, bound, note)
 
 
 def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: float, floor: float,
@@ -233,7 +330,17 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
     `profile`'s factor for a candidate that ran on an accelerator (1 on a CPU). `floor_note`: what
     set the floor, where not the tables (said after it in the message)."""
     t_err, _, _ = normalised_error(to_numpy(torch_at_dtype), to_numpy(oracle), scale)
-    one_order = t_err
+    return oracle_relative_result(quantity, CloseStream(scale, keep_above=factor * alpha * floor).add(candidate, oracle),
+                                  t_err, alpha, floor, check, order_error, factor, profile, floor_note)
+
+
+def oracle_relative_result(quantity: str, candidate: CloseStream, torch_error: float, alpha: float, floor: float,
+                           check: str = "oracle", order_error: float | None = None, factor: float = 1.0,
+                           profile: str = "", floor_note: str = "") -> CheckResult:
+    """`oracle_relative` on what a `CloseStream` of the candidate against the oracle holds (kept
+    above factor * alpha * floor, the smallest bound it can get), with `torch_error` the worst
+    normalised error of the reference at the dtype against the oracle (its `CloseStream.worst`)."""
+    t_err = one_order = torch_error
     if order_error is not None:
         t_err = max(t_err, float(order_error))
     bound = alpha * max(t_err, floor)
@@ -242,7 +349,7 @@ def oracle_relative(quantity: str, candidate, oracle, torch_at_dtype, alpha: flo
     note = f"torch-at-dtype error {t_err:.3g}{orders}, floor {floor:.3g}{floor_note}, alpha {alpha:g}"
     if factor != 1.0 or profile:
         note += f", platform factor {factor:g} ({profile or 'no profile'})"
-    result = compare_close(check, quantity, candidate, oracle, bound, scale, note)
+    result = candidate.result(check, quantity, bound, note)
     stats = {"torch_error": t_err}
     if profile:
         stats["platform_factor"] = factor
@@ -267,9 +374,101 @@ def exactly_zero(quantity: str, grads: dict, check: str = "isolation", bound: fl
                        note, template="isolation")
 
 
+# A differing query's note gives both sets whole up to this many picks, else only the picks
+# that differ (a row of k = 2048 picks would make a message of pages).
+NOTE_PICKS = 64
+
+
+class TopkStream:
+    """The top-k tie rule as a reduction over blocks of query rows: per query whose sets
+    differ, how many picks were swapped, how far its differing blocks' scores lie from the
+    oracle's k-th picked score (infinite where no tie can excuse it: a -1 count that differs,
+    a non-finite or out-of-range pick) and its row's largest |oracle score|, so that the
+    tolerance may be given at the end (`result`)."""
+
+    def __init__(self):
+        self.queries = 0
+        self.shape_note = ""
+        self.rows: list[tuple[tuple, int, float, float, str]] = []  # (query, swapped, deviation, row max, note)
+
+    def add(self, candidate, oracle, oracle_scores, offset: tuple = ()) -> "TopkStream":
+        """One block of queries [..., k] (and the oracle's scores [..., W]) whose first query sits
+        at `offset` of the whole [B, S] (leading axes; missing ones are 0)."""
+        cand, orc = to_numpy(candidate).astype(np.int64), to_numpy(oracle).astype(np.int64)
+        scores = to_numpy(oracle_scores).astype(np.float64)
+        if cand.shape != orc.shape:
+            self.shape_note = self.shape_note or f"shape differs: candidate {cand.shape}, reference {orc.shape}"
+            self.queries += max(cand.size, orc.size)
+            return self
+        lead = cand.shape[:-1]
+        off = tuple(offset) + (0,) * (len(lead) - len(offset))
+        queries = cand.reshape(-1, cand.shape[-1]) if cand.size else np.zeros((0, 0), np.int64)
+        orcs = orc.reshape(queries.shape)
+        rows = scores.reshape(-1, scores.shape[-1]) if cand.size else scores
+        self.queries += queries.shape[0]
+        if not queries.shape[0]:
+            return self
+        differ = np.nonzero(np.any(np.sort(queries, -1) != np.sort(orcs, -1), axis=-1))[0]
+        for q in differ:
+            a = set(int(i) for i in queries[q] if i >= 0)
+            o = set(int(i) for i in orcs[q] if i >= 0)
+            if a == o:
+                continue
+            swapped = max(len(a - o), len(o - a))
+            deviation = math.inf
+            if len(a) == len(o) and all(i < rows.shape[-1] for i in a):
+                kth = min(rows[q, i] for i in o)
+                if all(np.isfinite(rows[q, i]) for i in a ^ o):
+                    deviation = max(abs(rows[q, i] - kth) for i in a ^ o)
+            finite = rows[q][np.isfinite(rows[q])]
+            row_max = float(np.max(np.abs(finite))) if finite.size else 0.0
+            where = tuple(int(i) + o_ for i, o_ in zip(np.unravel_index(q, lead), off))
+            if len(a | o) <= NOTE_PICKS:
+                note = f"candidate picks {sorted(a)}, oracle picks {sorted(o)}"
+            else:
+                note = (f"candidate picks {sorted(a - o)} where the oracle picks {sorted(o - a)} "
+                        f"({len(a & o)} picks in common)")
+            self.rows.append((where, swapped, deviation, row_max, note))
+        return self
+
+    def merge(self, other: "TopkStream") -> "TopkStream":
+        self.queries += other.queries
+        self.shape_note = self.shape_note or other.shape_note
+        self.rows += other.rows
+        return self
+
+    def result(self, quantity: str, score_tol, check: str = "topk") -> CheckResult:
+        """Judged with `score_tol`: an absolute tolerance per query (a scalar, or an array over
+        the whole [B, S] indexed by the query), or a function of the row's largest |oracle score|
+        (a bound normalised per row, given only once every block is in)."""
+        if self.shape_note:
+            return _pattern(check, quantity, 0.0, None, self.queries, self.queries, self.shape_note)
+        unexcused = excused = bad_queries = 0
+        first_bad, first_note = None, ""
+        for where, swapped, deviation, row_max, note in self.rows:
+            if callable(score_tol):
+                tol = score_tol(row_max)
+            else:
+                tol = np.asarray(score_tol, np.float64)
+                tol = float(tol[where]) if tol.ndim else float(tol)
+            if deviation <= tol:
+                excused += swapped
+                continue
+            unexcused += swapped
+            bad_queries += 1
+            if first_bad is None or where < first_bad:
+                first_bad, first_note = where, note
+        status = FAILED if unexcused else (EXCUSED if excused else PASSED)
+        note = f"{excused} boundary-tie differences excused"
+        return CheckResult(check, quantity, status, float(unexcused), 0.0, first_bad, bad_queries,
+                           self.queries, note, stats={"excused": excused, "first": first_note},
+                           template="topk")
+
+
 def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.ndarray | float,
               check: str = "topk") -> CheckResult:
-    """Compare top-k selections as sets per query, excusing boundary ties (the project's one rule).
+    """Compare top-k selections as sets per query, excusing boundary ties (the project's one rule;
+    a `TopkStream` of one block).
 
     A block picked by one side and not the other is excused only if its reference score
     lies within `score_tol` (absolute; scalar or per query [B, S]) of the reference's k-th
@@ -278,38 +477,8 @@ def topk_sets(quantity: str, candidate, oracle, oracle_scores, score_tol: np.nda
     (bound 0); `stats["excused"]` the excused ones. Status: passed when the sets agree,
     excused when they differ only by excused ties, failed otherwise.
     """
-    cand, orc = to_numpy(candidate).astype(np.int64), to_numpy(oracle).astype(np.int64)
-    scores = to_numpy(oracle_scores).astype(np.float64)
-    if cand.shape != orc.shape:
-        return _pattern(check, quantity, 0.0, None, cand.size, orc.size,
-                        f"shape differs: candidate {cand.shape}, reference {orc.shape}")
-    tol = np.broadcast_to(np.asarray(score_tol, np.float64), cand.shape[:-1])
-    unexcused = excused = bad_queries = 0
-    first_bad, first_note = None, ""
-    queries = cand.reshape(-1, cand.shape[-1]) if cand.size else np.zeros((0, 0), np.int64)
-    orcs = orc.reshape(queries.shape)
-    rows = scores.reshape(-1, scores.shape[-1]) if cand.size else scores
-    flat_tol = tol.reshape(-1)
-    for q in range(queries.shape[0]):
-        a = set(int(i) for i in queries[q] if i >= 0)
-        o = set(int(i) for i in orcs[q] if i >= 0)
-        if a == o:
-            continue
-        swapped = max(len(a - o), len(o - a))
-        bad_here = swapped
-        if len(a) == len(o) and all(i < rows.shape[-1] for i in a):
-            kth = min(rows[q, i] for i in o)
-            if all(np.isfinite(rows[q, i]) and abs(rows[q, i] - kth) <= flat_tol[q] for i in a ^ o):
-                excused += swapped
-                bad_here = 0
-        if bad_here:
-            unexcused += bad_here
-            bad_queries += 1
-            if first_bad is None:
-                first_bad = tuple(int(i) for i in np.unravel_index(q, cand.shape[:-1]))
-                first_note = f"candidate picks {sorted(a)}, oracle picks {sorted(o)}"
-    status = FAILED if unexcused else (EXCUSED if excused else PASSED)
-    note = f"{excused} boundary-tie differences excused"
-    return CheckResult(check, quantity, status, float(unexcused), 0.0, first_bad, bad_queries,
-                       queries.shape[0], note, stats={"excused": excused, "first": first_note},
-                       template="topk")
+    cand = to_numpy(candidate)
+    tol = np.asarray(score_tol, np.float64)
+    if tol.ndim and cand.ndim:
+        tol = np.broadcast_to(tol, cand.shape[:-1])
+    return TopkStream().add(candidate, oracle, oracle_scores).result(quantity, tol, check)

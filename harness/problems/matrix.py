@@ -15,12 +15,27 @@ from __future__ import annotations
 
 from ..outputs import LOSS_QUANTITIES, MODES, forward_quantities
 from ..points import DTYPES, Entry, Point
-from .cases import CASES, TEACHERS
+from .cases import CASES, LONG_CASES, TEACHERS, get_case
 
 TEACHER_CHUNK_DTYPES = ("float32", "float64")
 QUERY_CHUNK_DTYPES = ("float32", "bfloat16", "float64")
 SWEEP_CASES = ("small", "flash_dims")
 SAMPLES = ("ci", "default", "full", "tpu")
+# The long sample (SPEC section 11; harness.run.long): every long case at these dtypes, each at one
+# chunked point (head chunks of 1, query blocks of r) and its native point at length (no head
+# chunks, the same query blocks: the unchunked program's [B, S, W] is what no process may hold).
+# r per case: 3000 does not divide S = 131072 (its last block, 129000 .., holds a document start);
+# 4096 does.
+LONG_SAMPLE = "long"
+LONG_DTYPES = ("float32", "bfloat16")
+LONG_QUERY_BLOCKS = {"long_deep_documents": 3000, "long_ties_k2048": 4096}
+assert set(LONG_QUERY_BLOCKS) == set(LONG_CASES)
+
+
+def long_points(case: str, dtype: str) -> tuple[Point, Point]:
+    """(the chunked point, its native point at length) of a long case at `dtype`."""
+    r = LONG_QUERY_BLOCKS[case]
+    return Point(case, dtype, 1, 1, r), Point(case, dtype, 0, 0, r)
 
 
 def divisors(n: int) -> list[int]:
@@ -299,7 +314,7 @@ def entries_at(point: Point, modes=None, impl: str = "jax") -> list[Entry]:
         if mode == "forward":
             if point.tchunk or point.teacher != "joint":
                 continue
-            quantities = forward_quantities(CASES[point.case].config)
+            quantities = forward_quantities(get_case(point.case).config)
         else:
             quantities = LOSS_QUANTITIES
         out.extend(Entry(point, mode, q, impl) for q in quantities)

@@ -31,7 +31,7 @@ def _csv(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..problems.matrix import SAMPLES
+    from ..problems.matrix import LONG_SAMPLE, SAMPLES
     from . import regenerate
 
     p = argparse.ArgumentParser(prog="csa-parity", description=__doc__.splitlines()[0])
@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backends", type=_csv(str), default=["xla"],
                      help="xla,pallas: jax_impl's scoring backends (default: xla; pallas runs its own sample "
                           "of points, harness/problems/matrix.py; off TPU the Pallas kernels run in interpret mode)")
-    run.add_argument("--sample", default="default", choices=list(SAMPLES),
+    run.add_argument("--sample", default="default", choices=[*SAMPLES, LONG_SAMPLE],
                      help="which chunk points the matrix samples (harness/problems/matrix.py): default, ci (the "
-                     "subset `make test` runs) or full (the whole chunk cross product, slow)")
+                     "subset `make test` runs) or full (the whole chunk cross product, slow); long: the long "
+                     "cases (S = 131072), judged a block of rows at a time (docs/matrix.md)")
     run.add_argument("--full", action="store_true", help="the same as --sample full")
     run.add_argument("--impl", default="jax",
                      help="'jax' or a plug-in 'package.module[:factory]', imported from the current directory "
@@ -358,6 +359,10 @@ def run(args) -> int:
     from .tasks import TASK
 
     began = time.time()
+    if args.sample == "long":  # the long cases (harness.problems.matrix.LONG_SAMPLE): judged a block of rows at a time, in this process
+        from .long import run as run_long
+
+        return run_long(args)
     _check_selection(args)
     _use_fixtures(args)
     sample = "full" if args.full else args.sample

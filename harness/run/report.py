@@ -80,6 +80,11 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
     if point.mesh is not None:
         prefix = Entry(point, mode or "", "").id.rstrip("-")
         return f"python -m pytest tests/sharded -n 0 -m sharded -k {shlex.quote(prefix)}"
+    from ..problems.cases import LONG_CASES
+
+    if point.case in LONG_CASES:  # the long sample judges a case's points together (harness.run.long)
+        words = ["csa-parity", "run", "--sample", "long", "--cases", point.case, "--dtypes", point.dtype]
+        return " ".join(shlex.quote(w) for w in words + (["--modes", mode] if mode else []))
     words = ["csa-parity", "run", "--cases", point.case, "--dtypes", point.dtype, "--ichunks", str(point.ichunk),
              "--tchunks", str(point.tchunk), "--qchunks", str(point.qchunk)]
     if mode and mode != STAGE_MODE:  # a stage plug-in's entries are not selected by --modes

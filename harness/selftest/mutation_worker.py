@@ -104,7 +104,7 @@ class ForeignImport(RuntimeError):
 
 
 def run(impl_root: str, points=(), memory: bool = False, reference: str = "goldens",
-        cache_dir: str | None = None, problems=(), kernel: bool = False, stop_on=()) -> dict:
+        cache_dir: str | None = None, problems=(), kernel: bool = False, stop_on=(), long_blocks=()) -> dict:
     """Import jax_impl from impl_root, run the slice, return the report (see the module doc).
     `stop_on`: check names; once one of them has failed, the slice's later parts are skipped, and
     a pinned problem (harness.problems.random_configs.check_problem) and the kernel check
@@ -175,6 +175,21 @@ def run(impl_root: str, points=(), memory: bool = False, reference: str = "golde
             error = f"problem {name}: {type(exc).__name__}: {exc}"
             failed.append({"check": "crash", "quantity": "-", "context": f"problem {name}", "message": error,
                            "traceback": traceback.format_exc(limit=-4)})
+    for spec in long_blocks:  # "CASE:BLOCK": a long case's query block, forward, float32, live (harness.run.long)
+        if stopped():
+            break
+        try:
+            from ..run.long import judge_case
+
+            case, block = spec.rsplit(":", 1)
+            results, _ = judge_case(case, ("float32",), ("forward",), query_blocks=(int(block),), log=lambda line: None)
+            results = [r for _, r in results]
+            checks += len(results)
+            failed.extend(_failure(r) for r in results if r.failed)
+        except Exception as exc:
+            error = f"long {spec}: {type(exc).__name__}: {exc}"
+            failed.append({"check": "crash", "quantity": "-", "context": f"long {spec}", "message": error,
+                           "traceback": traceback.format_exc(limit=-4)})
     if kernel and not stopped():  # the Pallas kernels against the XLA path, partial tiles (harness.sides.kernel_check)
         try:
             from ..sides.kernel_check import kernel_check
@@ -231,13 +246,15 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", action="store_true", help="run the compile-only memory check")
     ap.add_argument("--kernel", action="store_true", help="run the Pallas kernel check (harness.sides.kernel_check)")
     ap.add_argument("--reference", default="goldens", choices=["goldens", "live"])
+    ap.add_argument("--long-block", action="append", default=[], metavar="CASE:BLOCK",
+                    help="a long case's query block, judged forward in float32 (harness.run.long; repeatable)")
     ap.add_argument("--cache-dir", help="JAX persistent compilation cache shared by workers (optional)")
     ap.add_argument("--stop-on", action="append", default=[], metavar="CHECK",
                     help="stop the slice once this check has failed (repeatable; a mutant's expected kill)")
     args = ap.parse_args(argv)
     try:
         report = run(args.impl_root, args.point, args.memory, args.reference, args.cache_dir, args.problem,
-                     args.kernel, tuple(args.stop_on))
+                     args.kernel, tuple(args.stop_on), tuple(args.long_block))
     except ForeignImport as exc:
         print(f"mutation worker: {exc}", file=sys.stderr)
         return 3

@@ -114,6 +114,9 @@ class Mutant:
     # Run the `kernel` check (harness.sides.kernel_check: the Pallas kernels against the XLA path on
     # problems with partial tiles, interpret mode) as well.
     kernel: bool = False
+    # Long cases' query blocks ("CASE:BLOCK", harness.run.long) to judge as well, live against torch:
+    # for the mistakes only length shows (LENGTH_CATALOGUE).
+    long_blocks: tuple[str, ...] = ()
 
     @property
     def edits(self) -> tuple[tuple[str, str], ...]:
@@ -681,6 +684,24 @@ CATALOGUE: tuple[Mutant, ...] = (
 )
 
 
+# Mistakes only length shows (SPEC section 11): each passes its toy slice (`points`, the matrix's
+# fixtures) and fails the long case's query block (`long_blocks`, judged live against torch's
+# row-block reference). `python -m harness.selftest.mutations --length` runs each both ways and
+# prints both outcomes.
+LONG_LAST_BLOCK = "long_deep_documents:43"  # rows 129000 .. 131071: row * W offsets past 2^31
+LENGTH_CATALOGUE: tuple[Mutant, ...] = (
+    Mutant(
+        "pick_ids_in_bfloat16", "scoring", "scoring.py",
+        "    return jnp.where(picked_valid, idx, -1).astype(jnp.int32)\n",
+        "    return jnp.where(picked_valid, idx, -1).astype(jnp.bfloat16).astype(jnp.int32)\n",
+        ("topk", "chunk-topk"), (TINY64, PACKED64, SMALL_BF16_ICHUNK),
+        "the picked block ids pass through bfloat16 (a count or an index in a narrow float): exact up to 256, "
+        "so every toy problem (W <= 16) is untouched; past 256 blocks ids round to the nearest multiple of "
+        "2, 4, ..., 128 and rows pick blocks they never scored",
+        long_blocks=(LONG_LAST_BLOCK,)),
+)
+
+
 class MutationError(RuntimeError):
     """A catalogue entry that no longer matches the source, or a worker that did not report."""
 
@@ -786,10 +807,12 @@ def stop_forkserver() -> None:
 
 
 def _run_subprocess(impl_root: Path, points, memory: bool, cache_dir, timeout: float, problems=(),
-                    kernel: bool = False, stop_on=()) -> dict:
+                    kernel: bool = False, stop_on=(), long_blocks=()) -> dict:
     cmd = [sys.executable, "-m", "harness.selftest.mutation_worker", "--impl-root", str(impl_root)]
     for p in points:
         cmd += ["--point", p.spec()]
+    for spec in long_blocks:
+        cmd += ["--long-block", spec]
     for name in problems:
         cmd += ["--problem", name]
     if memory:
@@ -836,6 +859,19 @@ def _outcome(name: str, report: dict, seconds: float) -> Outcome:
                    report.get("cpu_s", 0.0), report.get("error", ""))
 
 
+def run_length_mutant(mutant: Mutant, cache_dir=None) -> tuple[Outcome, Outcome]:
+    """(toy outcome, long outcome) of a LENGTH_CATALOGUE mutant: its matrix slice alone, then its
+    long query blocks alone, each in a process of its own on one mutated copy."""
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        patch_copy(mutant, Path(tmp))
+        toy = _outcome(mutant.name, run_worker(Path(tmp), mutant.points, False, cache_dir, method="subprocess"),
+                       time.time() - start)
+        start = time.time()
+        report = _run_subprocess(Path(tmp), (), False, cache_dir, 1800.0, long_blocks=mutant.long_blocks)
+    return toy, _outcome(mutant.name, report, time.time() - start)
+
+
 def run_mutant(mutant: Mutant, cache_dir=None, method: str | None = None, stop_at_kill: bool = False) -> Outcome:
     """Apply the mutant to a temporary copy of jax_impl and run its slice there. `stop_at_kill`:
     stop the slice once one of the mutant's expected checks (`killed_by`) has failed, which
@@ -873,7 +909,11 @@ def run_clean(points, memory: bool, cache_dir=None, method: str | None = None,
 
 
 def _table(rows) -> str:
-    header = ("mutant", "stage", "killed", "killing checks", "expected", "killing test", "wall s", "cpu s")
+    return _table_with(("mutant", "stage", "killed", "killing checks", "expected", "killing test", "wall s", "cpu s"),
+                       rows)
+
+
+def _table_with(header, rows) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -934,7 +974,22 @@ def main(argv=None) -> int:
                          "oracle rule, under the device's platform profile, must kill what exact64 kills on a "
                          "CPU); mutants that need torch, the memory check, the kernels or simulated devices are "
                          "left out, each named")
+    ap.add_argument("--length", action="store_true",
+                    help="the mistakes only length shows (LENGTH_CATALOGUE): each on its toy slice and on its long "
+                         "query blocks, both outcomes printed")
     args = ap.parse_args(argv)
+    if args.length:
+        rows, ok = [], True
+        for m in select(LENGTH_CATALOGUE, args.only, patch_copy):
+            toy, long = run_length_mutant(m)
+            expected = toy.passed and not long.passed and bool(set(m.killed_by) & set(long.killing))
+            ok &= expected
+            rows.append((m.name, m.stage, "passes" if toy.passed else "KILLED", ",".join(long.killing) or "SURVIVED",
+                         f"{toy.seconds:.1f}", f"{long.seconds:.1f}"))
+            for f in long.failed[:2]:
+                print("  long:", f["message"][:300])
+        print(_table_with(("mutant", "stage", "toy matrix", "long block kills by", "toy s", "long s"), rows))
+        return 0 if ok else 1
     try:
         chosen = select(CATALOGUE, args.only, patch_copy)
     except MutationError as exc:

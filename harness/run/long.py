@@ -1,0 +1,229 @@
+"""The long sample (`csa-parity run --sample long`, SPEC section 11): every long case
+(harness.problems.cases.LONG_CASES) at float32 and bfloat16, chunked and native
+(harness.problems.matrix.long_points), judged on every quantity against the float64 reference by
+the matrix's rule, without any process holding a [B, S, W] array.
+
+Per case, one walk over the rows in the candidate's query blocks of r rows: the candidate's
+scores and picks of the block at each point and dtype (harness.sides.long_sides), then, per slice
+of JUDGE_ROWS rows of it, the reference's in float64 and at each dtype, fed to the judge's streams
+(harness.judging.compare: CloseStream, TopkStream). The float64 picks are kept ([B, S, k], the
+sparse loss's selection). The compressed keys, the loss and the gradients are whole arrays of
+parameter or key shape and go to the judge as they are; the streamed results stand in for the
+checks of the scores and the picks (References.streamed). Records, table, reports and rerun
+lines are the matrix's (harness.run.report).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import numpy as np
+
+from ..judging.compare import CloseStream, TopkStream, oracle_relative_result, status_result
+from ..judging.judge import judge
+from ..outputs import MODES, NOT_APPLICABLE, References
+from ..points import Entry
+from ..problems.cases import LONG_CASES, make_inputs
+from ..problems.matrix import LONG_DTYPES, entries_at, long_points  # noqa: F401  (long_points: re-exported)
+from ..sides import long_sides
+from ..sides.long_sides import JUDGE_ROWS
+
+
+def dims(case) -> dict[str, int]:
+    cfg = case.config
+    return {"B": case.batch, "S": case.seq_len, "W": case.num_blocks, "HI": cfg["index_n_heads"],
+            "DI": cfg["index_head_dim"], "R": cfg["q_lora_rank"], "E": cfg["emb_dim"], "m": cfg["compress_ratio"]}
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (ru_maxrss, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+class _Clock:
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    def add(self, stage: str, since: float) -> float:
+        now = time.perf_counter()
+        self.s[stage] = self.s.get(stage, 0.0) + now - since
+        return now
+
+
+def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None, log=print, query_blocks=None):
+    """[(Entry, CheckResult)] of every entry of the long case's points at `dtypes`, and the time
+    per stage {jax, oracle, judge} in seconds. `case`: another Case to judge in its place (the
+    tests' shortened copies). `query_blocks`: the indices of the candidate's query blocks whose
+    rows are judged (default every one); where they are not all, the forward quantities are
+    judged on those rows (the reference's error at the dtype measured on the same rows) and the
+    loss and gradients, which need every row, are not applicable."""
+    from ..judging.tolerance import Policy
+
+    policy = policy or Policy()
+    case = case or LONG_CASES[name]
+    problem = case.config_dict()
+    inputs, params = make_inputs(case)
+    B, S = case.batch, case.seq_len
+    points = {t: long_points(name, t) for t in dtypes}
+    r = points[dtypes[0]][0].qchunk
+    clock = _Clock()
+    sc = "index_scores"
+
+    def streams(t):
+        keep = policy.oracle_factor(t, sc) * policy.alpha(sc) * policy.floor(t, sc, dims(case))
+        return {"torch": CloseStream("row", keep_above=np.inf), "oracle": CloseStream("row", keep), "topk": TopkStream(),
+                "native-oracle": CloseStream("row", keep), "native-topk-oracle": TopkStream(),
+                "chunk": CloseStream("row", policy.chunk(t, sc)), "chunk-topk": TopkStream()}
+
+    st = {t: streams(t) for t in dtypes}
+    k_eff = case.k_eff
+    selection = np.empty((B, S, k_eff), np.int32)
+    starts = [i * r for i in (range(-(-S // r)) if query_blocks is None else query_blocks)]
+    every_row = query_blocks is None or len(set(starts)) == -(-S // r)
+    slices = [slice(s, min(s + JUDGE_ROWS, b0 + r, S)) for b0 in starts for s in range(b0, min(b0 + r, S), JUDGE_ROWS)]
+    oracle_gen = long_sides.reference_forward(params, inputs, problem, "float64", slices)
+    at_gen = {t: long_sides.reference_forward(params, inputs, problem, t, slices) for t in dtypes}
+    for b0 in starts:
+        t0 = time.perf_counter()
+        cand = {t: [long_sides.candidate_rows(params, inputs, problem, p, b0, r) for p in points[t]] for t in dtypes}
+        t0 = clock.add("jax", t0)
+        for rows in [s for s in slices if b0 <= s.start < b0 + r]:
+            _, o_scores, o_picks = next(oracle_gen)
+            selection[:, rows] = o_picks
+            at = {t: next(at_gen[t]) for t in dtypes}
+            t0 = clock.add("oracle", t0)
+            loc = slice(rows.start - b0, rows.stop - b0)
+            for t in dtypes:
+                (c_scores, c_picks), (n_scores, n_picks) = [(s[:, loc], k[:, loc]) for s, k in cand[t]]
+                s_ = st[t]
+                off = (0, rows.start)
+                s_["torch"].add(at[t][1], o_scores, off)
+                s_["oracle"].add(c_scores, o_scores, off)
+                s_["topk"].add(c_picks, o_picks, o_scores, off)
+                s_["native-oracle"].add(n_scores, o_scores, off)
+                s_["native-topk-oracle"].add(n_picks, o_picks, o_scores, off)
+                s_["chunk"].add(c_scores, n_scores, off)
+                s_["chunk-topk"].add(c_picks, n_picks, o_scores, off)
+            t0 = clock.add("judge", t0)
+        log(f"  {name}: rows {b0}..{min(b0 + r, S) - 1} of {S} judged ({time.perf_counter():.0f}; "
+            f"peak {peak_rss_gib():.2f} GiB)")
+
+    t0 = time.perf_counter()
+    losses = every_row and set(modes or ("dense",)) != {"forward"}
+    rows_note = "" if every_row else (f"; judged on the rows of query blocks {', '.join(map(str, sorted(set(starts))))} "
+                                      f"of {r} rows only")
+    oracle = {"compressed_keys": long_sides.reference_keys(params, inputs, problem, "float64"),
+              **(long_sides.reference_losses(params, inputs, problem, "float64", None) if losses else {})}
+    t0 = clock.add("oracle", t0)
+    out = []
+    for t in dtypes:
+        at_dtype = {"compressed_keys": long_sides.reference_keys(params, inputs, problem, t),
+                    **(long_sides.reference_losses(params, inputs, problem, t, selection) if losses else {})}
+        t0 = clock.add("oracle", t0)
+        chunked, native = points[t]
+        cand = {p: {"compressed_keys": long_sides.candidate_keys(params, inputs, problem, p),
+                    **(long_sides.candidate_losses(params, inputs, problem, p, selection) if losses else {})}
+                for p in (chunked, native)}
+        t0 = clock.add("jax", t0)
+        s_ = st[t]
+        t_err = s_["torch"].worst
+        alpha, floor = policy.alpha(sc), policy.floor(t, sc, dims(case))
+        factor = policy.oracle_factor(t, sc)
+        bound = alpha * max(t_err, floor)
+        note = "; no stored order errors: a long case has no fixture"
+        for p, native_of in ((chunked, native), (native, None)):
+            prefix = "" if native_of is not None else "native-"
+            streamed = {
+                f"oracle:{sc}": oracle_relative_result(sc, s_[f"{prefix}oracle"], t_err, alpha, floor, "oracle",
+                                                       None, factor, policy.platform_profile),
+                "topk": s_[f"{prefix}topk" if prefix == "" else "native-topk-oracle"].result(
+                    "topk_indices", lambda row_max: bound * factor * row_max),
+            }
+            if native_of is not None:
+                streamed[f"native:{sc}"] = s_["chunk"].result("chunk", sc, policy.chunk(t, sc))
+                streamed["native-topk"] = s_["chunk-topk"].result("topk_indices", lambda row_max: bound * row_max,
+                                                                  check="chunk-topk")
+            refs = References(oracle=long_sides.as_outputs("torch_ref@float64 (row blocks)", oracle),
+                              at_dtype=long_sides.as_outputs(f"torch_ref@{t} (row blocks)", at_dtype),
+                              native=None if native_of is None else long_sides.as_outputs("jax native", cand[native_of]),
+                              dims=dims(case), streamed=streamed)
+            outputs = long_sides.as_outputs("jax", cand[p])
+            for entry in _entries(p, modes):
+                if entry.mode != "forward" and not every_row:
+                    why = ("not applicable on sampled rows: the loss and its gradients are means over every "
+                           "row" + rows_note)
+                    out.append((entry, status_result("-", entry.quantity, NOT_APPLICABLE, why).with_context(entry.label)))
+                    continue
+                for res in judge(entry, outputs, refs, policy):
+                    if res.template == "topk" or (entry.quantity == sc and res.check == "oracle"):
+                        res = _with_note(res, note + rows_note)
+                    out.append((entry, res))
+        t0 = clock.add("judge", t0)
+    return out, clock.s
+
+
+def _entries(point, modes):
+    """The entries of a long point: its forward entries too where it chunks the teacher (the
+    matrix judges those at teacher chunk 0, `entries_at`; the forward does not read the teacher
+    chunk, so they are labelled at 0 and judged from the same program's rows)."""
+    import dataclasses
+
+    if not point.tchunk or (modes is not None and "forward" not in modes):
+        return entries_at(point, modes)
+    forward = entries_at(dataclasses.replace(point, tchunk=0), ("forward",))
+    return forward + entries_at(point, [m for m in (modes or MODES) if m != "forward"])
+
+
+def _with_note(res, note):
+    import dataclasses
+
+    return dataclasses.replace(res, note=res.note + note) if note else res
+
+
+def run(args) -> int:
+    """`csa-parity run --sample long`: judge, print the matrix's table and lines, write the reports."""
+    from .report import (attach_reruns, failure_lines, format_table, headroom_table, record, status_line, summarise,
+                         table, write_reports)
+
+    began = time.time()
+    names = args.cases or list(LONG_CASES)
+    unknown = [n for n in names if n not in LONG_CASES]
+    if unknown:
+        raise ValueError(f"--sample long judges the long cases ({', '.join(LONG_CASES)}); not {', '.join(unknown)}")
+    dtypes = tuple(args.dtypes or LONG_DTYPES)
+    bad = [d for d in dtypes if d not in LONG_DTYPES]
+    if bad:
+        raise ValueError(f"--sample long judges {', '.join(LONG_DTYPES)}; not {', '.join(bad)}")
+    records, stages = [], {}
+    for name in names:
+        print(f"long case {name}: S={LONG_CASES[name].seq_len}, W={LONG_CASES[name].num_blocks}, "
+              f"k={LONG_CASES[name].config['index_topk']}", file=sys.stderr)
+        started = time.time()
+        results, clock = judge_case(name, dtypes, args.modes, log=lambda line: print(line, file=sys.stderr))
+        stages[name] = {**{k: round(v, 1) for k, v in clock.items()}, "wall_s": round(time.time() - started, 1),
+                        "peak_rss_gib": round(peak_rss_gib(), 2)}
+        records += [record(e, r) for e, r in results]
+    attach_reruns(records)
+    records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["mode"], r["quantity"], r["check"]))
+    meta = {"impl": "jax", "reference": "live (row blocks)", "tolerance_profile": "highest", "sample": "long",
+            "wall_s": time.time() - began, "long_stages": stages, "selection": {"sample": "long", "cases": names}}
+    paths = write_reports(records, meta, args.out, heatmap_too=False)
+    summary = summarise(records)
+    header, rows = table(records)
+    print(format_table(header, rows))
+    print()
+    print(f"{summary['entries']} entries, {summary['checks']} checks, {summary['failed']} failed in "
+          f"{meta['wall_s']:.1f} s; " + status_line(summary) + f"; top-k ties excused: {summary['topk_excused_ties']}; "
+          "worst ratio by dtype: " + ", ".join(f"{k} {float(v):.3g}" for k, v in summary["worst_ratio_by_dtype"].items()))
+    hr_header, hr_rows = headroom_table(summary)
+    print("headroom: worst ratio per kind and dtype:")
+    print(format_table(hr_header, hr_rows))
+    for name, s in stages.items():
+        print(f"{name}: jax {s.get('jax', 0):.1f} s, oracle {s.get('oracle', 0):.1f} s, judge {s.get('judge', 0):.1f} s, "
+              f"wall {s['wall_s']:.1f} s, peak RSS {s['peak_rss_gib']:.2f} GiB")
+    for line in failure_lines(records)[:20]:
+        print("FAIL", line)
+    print(f"reports: {paths['json']}, {paths['md']}")
+    return 0 if summary["failed"] + summary["errors"] == 0 else 1
