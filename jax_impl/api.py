@@ -47,9 +47,7 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
     x = round_to(jax.lax.stop_gradient(inputs["hidden_states"]), dtype)
     q_latent = round_to(jax.lax.stop_gradient(inputs["q_latent"]), dtype)
     pos, seg = inputs["position_ids"], inputs["segment_ids"]
-    keys = compress_keys(
-        x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide
-    )
+    keys = _keys(p, x, pos, cfg, wide)
     hw = head_weights(x, p["indexer.weights_proj"], cfg.index_n_heads, wide)
     imposed_queries, imposed_keys = imposed_codes(inputs)
     k_in, key_codes = scoring_keys(keys, cfg, wide, imposed_keys)
@@ -61,6 +59,20 @@ def forward_parts(params, inputs, cfg: CSAConfig, dtype_name: str, score_cfg=Non
         scores = reduce_scores(scores)
     masked = mask_scores(scores, valid)
     return keys, masked, valid, topk_indices(masked, valid, cfg.index_topk), codes_dict(query_codes, key_codes)
+
+
+def _keys(p, x, pos, cfg: CSAConfig, wide):
+    """The compressed keys [B, W, DI] (SPEC section 5) from params and hidden states rounded to the dtype."""
+    return compress_keys(x, pos, p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"],
+                         cfg, wide)
+
+
+def indexer_keys(params, inputs, cfg: CSAConfig, dtype: str):
+    """The compressed keys [B, W, DI] alone (the key path of `forward_parts`: no [B, S, W] array)."""
+    wide_params, float_inputs, int_inputs, _ = prepare_arguments(params, inputs, cfg, dtype, teacher=False)
+    dtype_, wide = resolve_dtype(dtype)
+    p = {k: round_to(v, dtype_) for k, v in wide_params.items()}
+    return _keys(p, round_to(float_inputs["hidden_states"], dtype_), int_inputs["position_ids"], cfg, wide)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))

@@ -80,20 +80,9 @@ def candidate_rows(params, inputs, problem, point: Point, start: int, rows: int)
 
 def candidate_keys(params, inputs, problem, point: Point) -> np.ndarray:
     """The compressed keys [B, W, DI] (the key path alone: no [B, S, W] array)."""
-    import jax.numpy as jnp
-
     from jax_impl import api
-    from jax_impl.config import resolve_dtype
-    from jax_impl.pooling import compress_keys
-    from jax_impl.precision import round_to
 
-    cfg = jax_config(problem, point)
-    wide_params, float_inputs, int_inputs, _ = api.prepare_arguments(params, inputs, cfg, point.dtype, teacher=False)
-    dtype, wide = resolve_dtype(point.dtype)
-    p = {k: round_to(v, dtype) for k, v in wide_params.items()}
-    keys = compress_keys(round_to(float_inputs["hidden_states"], dtype), int_inputs["position_ids"],
-                         p["indexer.wkv"], p["indexer.wgate"], p["indexer.ape"], p["indexer.kv_norm"], cfg, wide)
-    return np.asarray(keys.astype(jnp.float32))
+    return np.asarray(api.indexer_keys(params, inputs, jax_config(problem, point), point.dtype), np.float32)
 
 
 def candidate_losses(params, inputs, problem, point: Point, selection: np.ndarray) -> dict[str, np.ndarray]:
