@@ -32,10 +32,11 @@ from pathlib import Path
 import pytest
 
 from harness.points import DTYPES
-from harness.problems.cases import CASES
+from harness.problems.cases import CASES, LONG_CASES
+from harness.problems.matrix import LONG_QUERY_BLOCKS
 from harness.problems.random_configs import PINNED
-from harness.selftest.mutations import (CATALOGUE, STAGES, MutationError, Mutant, patch_copy, run_clean, run_mutant,
-                                        run_worker, slices, stop_forkserver)
+from harness.selftest.mutations import (CATALOGUE, LENGTH_CATALOGUE, STAGES, MutationError, Mutant, patch_copy,
+                                        run_clean, run_mutant, run_worker, slices, stop_forkserver)
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = {"exact64", "exact64@sel", "oracle", "oracle@sel", "chunk", "chunk@sel", "topk",
@@ -123,10 +124,31 @@ def test_every_stage_has_a_mutant_beyond_the_committed_cases():
     assert beyond == set(STAGES), sorted(set(STAGES) - beyond)
 
 
+def test_the_length_catalogue_is_well_formed():
+    """Each mistake only length shows names a toy slice of committed cases (which it must pass) and
+    query blocks of the long cases (which must kill it), the blocks inside their case. Its runs are
+    `python -m harness.selftest.mutations --length` (minutes each: not part of `make test`)."""
+    names = [m.name for m in (*CATALOGUE, *LENGTH_CATALOGUE)]
+    assert len(set(names)) == len(names), "mutant names must be unique across both catalogues"
+    assert len(LENGTH_CATALOGUE) >= 4
+    for m in LENGTH_CATALOGUE:
+        assert m.stage in STAGES, m.name
+        assert m.killed_by and set(m.killed_by) <= CHECK_NAMES, m.name
+        assert m.points and m.long_blocks, f"{m.name}: needs a toy slice and a long block"
+        assert not (m.problems or m.memory or m.kernel), m.name
+        for p in m.points:
+            assert p.case in CASES and p.dtype in DTYPES, m.name
+        for spec in m.long_blocks:
+            case, _, block = spec.rpartition(":")
+            assert case in LONG_CASES, m.name
+            assert 0 <= int(block) < -(-LONG_CASES[case].seq_len // LONG_QUERY_BLOCKS[case]), m.name
+
+
 def test_every_mutant_still_applies_exactly_once():
-    """A stale catalogue (the source moved on) fails here, by name, before anything runs."""
+    """A stale catalogue (the source moved on) fails here, by name, before anything runs; the
+    length catalogue too (its runs are not part of `make test`, so only this sees it go stale)."""
     stale = []
-    for m in CATALOGUE:
+    for m in (*CATALOGUE, *LENGTH_CATALOGUE):
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 target = patch_copy(m, Path(tmp))

@@ -74,6 +74,12 @@ SMALL_BF16_ICHUNK = Point("small", "bfloat16", ichunk=2)
 # holds 4 padding rows; float64, where `exact64` and the `chunk` check against native see any
 # row out of place.
 TINY64_QCHUNK = Point("tiny", "float64", qchunk=5)
+# The same query blocks of 5 on the packed rows (documents, blocks straddling a boundary) and on
+# yarn_tail (positions from 69968): the length catalogue's query-block mutant passes them.
+PACKED64_QCHUNK = Point("packed", "float64", qchunk=5)
+YARN64_QCHUNK = Point("yarn_tail", "float64", qchunk=5)
+# The twins of `ties` (exact score ties on the top-k boundary), float64.
+TIES64 = Point("ties", "float64")
 # The joint teacher's and YaRN's cases (harness/problems/cases.py), float64.
 SINK_ONLY64 = Point("sink_only", "float64")
 YARN64 = Point("yarn_tail", "float64")
@@ -689,6 +695,10 @@ CATALOGUE: tuple[Mutant, ...] = (
 # row-block reference). `python -m harness.selftest.mutations --length` runs each both ways and
 # prints both outcomes.
 LONG_LAST_BLOCK = "long_deep_documents:43"  # rows 129000 .. 131071: row * W offsets past 2^31
+# rows 126000 .. 128999: 2048 of them, late in a 4096-token document, see more blocks than k = 512
+# (up to 1024: in the last block every row sees fewer than k, so every valid block is picked whatever
+# the ranking), then a document starts at 128675.
+LONG_RANKED_BLOCK = "long_deep_documents:42"
 LENGTH_CATALOGUE: tuple[Mutant, ...] = (
     Mutant(
         "pick_ids_in_bfloat16", "scoring", "scoring.py",
@@ -698,6 +708,42 @@ LENGTH_CATALOGUE: tuple[Mutant, ...] = (
         "the picked block ids pass through bfloat16 (a count or an index in a narrow float): exact up to 256, "
         "so every toy problem (W <= 16) is untouched; past 256 blocks ids round to the nearest multiple of "
         "2, 4, ..., 128 and rows pick blocks they never scored",
+        long_blocks=(LONG_LAST_BLOCK,)),
+    Mutant(
+        "valid_count_in_bfloat16", "scoring", "scoring.py",
+        "    picked_valid = jnp.take_along_axis(valid, idx, axis=-1)\n",
+        "    picked_valid = jnp.arange(k_eff) < jnp.sum(valid, axis=-1, dtype=jnp.bfloat16)[..., None]\n",
+        ("topk", "chunk-topk"), (TINY64, PACKED64, SMALL_BF16_ICHUNK),
+        "a pick is -1 where its rank is not below the row's count of valid blocks (a sound rule: -inf sorts "
+        "last), the count summed as bfloat16 (the mask in the activations' dtype of a bfloat16 deployment; "
+        "the rank is promoted with it): exact up to 256, so no toy row (at most 16 blocks) is touched; a row "
+        "with 257 .. 514 valid blocks and k = 512 is wrong for 130 of those counts (0 or 1 mod 4 up to 509, "
+        "and 512 .. 514): it drops its last one or two valid picks",
+        long_blocks=(LONG_LAST_BLOCK,)),
+    Mutant(
+        "topk_ranked_in_bfloat16", "scoring", "scoring.py",
+        "    _, idx = jax.lax.top_k(jax.lax.stop_gradient(masked_scores), k_eff)\n",
+        "    _, idx = jax.lax.top_k(jax.lax.stop_gradient(masked_scores).astype(jnp.bfloat16), k_eff)\n",
+        ("topk",), (TINY64, PACKED64, SMALL_BF16_ICHUNK, TIES64),
+        "the top-k ranks the scores by a 16-bit key (each float32 score rounded to bfloat16, as a one-pass "
+        "histogram select over the high half of the bits does), ties inside a bin broken by block index: "
+        "with at most 16 blocks a row, no toy row of the slice has two scores at its boundary in one bin "
+        "(the `ties` case's twins tie exactly either way); among up to 1024 blocks the k-th score's bin "
+        "holds several, and a row keeps a block scored up to a bfloat16 step (2^-8 relative) below one it "
+        "drops",
+        long_blocks=(LONG_RANKED_BLOCK,)),
+    Mutant(
+        "qblock_key_crop_from_local_rows", "chunking", "query_blocks.py",
+        "    valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None]\n",
+        "    crop = jnp.arange(blocks[0].shape[1]) < (rows[-1] + 1) // cfg.compress_ratio\n"
+        "    valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None] & crop\n",
+        ("oracle", "topk"), (TINY64_QCHUNK, PACKED64_QCHUNK, YARN64_QCHUNK),
+        "a query block skips the key blocks past its last row (a sound crop: a block ending after the row "
+        "cannot be causal), the bound taken from the rows' index in the arrays it is handed as if that were "
+        "their token index: true where the rows run from token 0 (every toy point, whose query blocks walk "
+        "the whole sequence: the crop then removes nothing), false for a block handed from deep in the "
+        "sequence (the row-block API at row 129000 crops to its first 750 blocks, so rows score only the "
+        "sequence's start: a chunk starting at position > 0 that scores the wrong key blocks)",
         long_blocks=(LONG_LAST_BLOCK,)),
 )
 
@@ -872,6 +918,16 @@ def run_length_mutant(mutant: Mutant, cache_dir=None) -> tuple[Outcome, Outcome]
     return toy, _outcome(mutant.name, report, time.time() - start)
 
 
+def run_length_clean(long_blocks, cache_dir=None) -> Outcome:
+    """The long query blocks `long_blocks` ("CASE:BLOCK") on an unmutated copy, in a process of its
+    own: they must pass, so a long block that fails a mutant fails because of its mutation."""
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="mutant-clean-") as tmp:
+        patch_copy(None, Path(tmp))
+        report = _run_subprocess(Path(tmp), (), False, cache_dir, 1800.0, long_blocks=tuple(long_blocks))
+    return _outcome("clean", report, time.time() - start)
+
+
 def run_mutant(mutant: Mutant, cache_dir=None, method: str | None = None, stop_at_kill: bool = False) -> Outcome:
     """Apply the mutant to a temporary copy of jax_impl and run its slice there. `stop_at_kill`:
     stop the slice once one of the mutant's expected checks (`killed_by`) has failed, which
@@ -976,25 +1032,37 @@ def main(argv=None) -> int:
                          "left out, each named")
     ap.add_argument("--length", action="store_true",
                     help="the mistakes only length shows (LENGTH_CATALOGUE): each on its toy slice and on its long "
-                         "query blocks, both outcomes printed")
+                         "query blocks, both outcomes printed, then the long blocks unmutated (unless --no-clean)")
     args = ap.parse_args(argv)
-    if args.length:
-        rows, ok = [], True
-        for m in select(LENGTH_CATALOGUE, args.only, patch_copy):
-            toy, long = run_length_mutant(m)
-            expected = toy.passed and not long.passed and bool(set(m.killed_by) & set(long.killing))
-            ok &= expected
-            rows.append((m.name, m.stage, "passes" if toy.passed else "KILLED", ",".join(long.killing) or "SURVIVED",
-                         f"{toy.seconds:.1f}", f"{long.seconds:.1f}"))
-            for f in long.failed[:2]:
-                print("  long:", f["message"][:300])
-        print(_table_with(("mutant", "stage", "toy matrix", "long block kills by", "toy s", "long s"), rows))
-        return 0 if ok else 1
     try:
-        chosen = select(CATALOGUE, args.only, patch_copy)
+        chosen = select(LENGTH_CATALOGUE if args.length else CATALOGUE, args.only, patch_copy)
     except MutationError as exc:
         print(f"harness.selftest.mutations: error: {exc}", file=sys.stderr)
         return 2
+    if args.length:
+        rows, ok = [], True
+        for m in chosen:
+            toy, long = run_length_mutant(m)
+            expected = toy.passed and not long.passed and bool(set(m.killed_by) & set(long.killing))
+            ok &= expected
+            rows.append((m.name, m.stage, f"{'passes' if toy.passed else 'KILLED by ' + ','.join(toy.killing)} "
+                         f"({len(toy.failed)} of {toy.checks} checks failed)",
+                         f"{','.join(long.killing) or 'SURVIVED'} ({len(long.failed)} of {long.checks} checks failed)",
+                         f"{toy.seconds:.1f}", f"{long.seconds:.1f}"))
+            for f in toy.failed[:2]:
+                print(f"  {m.name} toy:", f["message"][:300])
+            for f in long.failed[:2]:
+                print(f"  {m.name} long:", f["message"][:300])
+        print(_table_with(("mutant", "stage", "toy matrix", "long block", "toy s", "long s"), rows))
+        if not args.no_clean:  # the long blocks must pass unmutated (the toy slices are the matrix's own)
+            blocks = sorted({b for m in chosen for b in m.long_blocks})
+            clean = run_length_clean(blocks)
+            ok &= clean.passed
+            print(f"clean long blocks {', '.join(blocks)}: {'pass' if clean.passed else 'FAIL'} "
+                  f"({len(clean.failed)} of {clean.checks} checks failed, {clean.seconds:.1f} s)")
+            for f in clean.failed[:10]:
+                print("  FAIL", f["message"][:300])
+        return 0 if ok else 1
     if args.dtype:
         chosen, left_out = retarget(chosen, args.dtype)
         for name, why in left_out:
