@@ -33,6 +33,7 @@ slice is a part.
 
     python -m harness.selftest.mutations              # every mutant, in parallel; prints the kill table
     python -m harness.selftest.mutations --only NAME  # some of them
+    python -m harness.selftest.mutations --length     # LENGTH_CATALOGUE: toy slice and long block, both outcomes
 """
 
 from __future__ import annotations
