@@ -75,10 +75,6 @@ SMALL_BF16_ICHUNK = Point("small", "bfloat16", ichunk=2)
 # holds 4 padding rows; float64, where `exact64` and the `chunk` check against native see any
 # row out of place.
 TINY64_QCHUNK = Point("tiny", "float64", qchunk=5)
-# The same query blocks of 5 on the packed rows (documents, blocks straddling a boundary) and on
-# yarn_tail (positions from 69968): the length catalogue's query-block mutant passes them.
-PACKED64_QCHUNK = Point("packed", "float64", qchunk=5)
-YARN64_QCHUNK = Point("yarn_tail", "float64", qchunk=5)
 # The twins of `ties` (exact score ties on the top-k boundary), float64.
 TIES64 = Point("ties", "float64")
 # The joint teacher's and YaRN's cases (harness/problems/cases.py), float64.
@@ -733,19 +729,6 @@ LENGTH_CATALOGUE: tuple[Mutant, ...] = (
         "holds several, and a row keeps a block scored up to a bfloat16 step (2^-8 relative) below one it "
         "drops",
         long_blocks=(LONG_RANKED_BLOCK,)),
-    Mutant(
-        "qblock_key_crop_from_local_rows", "chunking", "query_blocks.py",
-        "    valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None]\n",
-        "    crop = jnp.arange(blocks[0].shape[1]) < (rows[-1] + 1) // cfg.compress_ratio\n"
-        "    valid = rows_validity(pos, seg, blocks, cfg.compress_ratio) & row_ok[None, :, None] & crop\n",
-        ("oracle", "topk"), (TINY64_QCHUNK, PACKED64_QCHUNK, YARN64_QCHUNK),
-        "a query block skips the key blocks past its last row (a sound crop: a block ending after the row "
-        "cannot be causal), the bound taken from the rows' index in the arrays it is handed as if that were "
-        "their token index: true where the rows run from token 0 (every toy point, whose query blocks walk "
-        "the whole sequence: the crop then removes nothing), false for a block handed from deep in the "
-        "sequence (the row-block API at row 129000 crops to its first 750 blocks, so rows score only the "
-        "sequence's start: a chunk starting at position > 0 that scores the wrong key blocks)",
-        long_blocks=(LONG_LAST_BLOCK,)),
 )
 
 
