@@ -47,10 +47,9 @@ parity: $(STAMP)
 # The whole suite, in two processes side by side (each pytest one process). The main one: the
 # tests on the ci sample of the matrix (SAMPLE=default or full for more; docs/matrix.md says
 # what each holds), the matrix first. Beside it:
-# the implementation's mutation self-test (tests/conftest.py runs it first: the two processes
-# share one compilation cache, so the matrix programs its clean run compiles are loaded by the
-# main process's matrix, or the other way round; first or last made no difference beyond the
-# machine's noise: .ci/run took 1035 and 1188 s with it first, 1182 s with it last), then
+# the implementation's mutation self-test (its mutants first; its clean run, which executes
+# matrix points the main process judges first, last in the side process: tests/conftest.py's
+# LAST, so that it loads the programs that matrix compiled, sharing one compilation cache), then
 # crash isolation, the random configurations, the query-chunk tests (a process of their own:
 # under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in each file; run
 # alone, both pass), the gradient checks, the training trajectories, the fixtures' regeneration

@@ -48,3 +48,33 @@ def test_the_rerun_line_of_a_long_point_names_the_sample():
 def test_the_long_sample_refuses_what_it_does_not_judge(argv, words, capsys, tmp_path):
     assert main(["run", "--sample", "long", "--out", str(tmp_path), *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, rows", [("packed", 20), ("ragged", 7)])
+def test_a_block_of_rows_is_those_rows_of_the_whole_forward(case, rows):
+    """`indexer_forward_rows`, the long sample's candidate, on toy problems against the whole
+    forward's rows: every block of `rows` rows from 0, so the last one is short (r does not divide
+    S), plus blocks starting off the grid, inside a document and on a block edge. The long sample
+    judges this function only past S = 131072; here a mistake in its start offset, its short last
+    block or its document bookkeeping shows in seconds. Bit-identical in float64 (the same
+    programs' arithmetic on the same rows)."""
+    import numpy as np
+
+    from harness.points import Point
+    from harness.problems.cases import CASES, make_inputs
+    from harness.sides.long_sides import jax_config
+    from jax_impl import api
+
+    c = CASES[case]
+    inputs, params = make_inputs(c)
+    cfg = jax_config(c.config_dict(), Point(case, "float64", 0, 0, rows))
+    out = api.indexer_forward(params, inputs, cfg, "float64")
+    whole, picks = np.asarray(out["index_scores"]), np.asarray(out["topk_indices"])
+    S = c.seq_len
+    starts = sorted({*range(0, S, rows), 3, S - 1, c.config["compress_ratio"] * 5})
+    for start in starts:
+        s, k = api.indexer_forward_rows(params, inputs, cfg, "float64", start, rows)
+        n = min(rows, S - start)
+        assert np.asarray(s).shape[1] == n and np.asarray(k).shape[1] == n
+        np.testing.assert_array_equal(np.asarray(s), whole[:, start:start + n], err_msg=f"scores from row {start}")
+        np.testing.assert_array_equal(np.asarray(k), picks[:, start:start + n], err_msg=f"picks from row {start}")

@@ -69,7 +69,7 @@ def _describe(outcome) -> str:
     return "\n".join(lines)
 
 
-# First in the file so that it starts first and fills the compilation cache.
+# Run last in its process (tests/conftest.py's LAST): by then the matrix has compiled its points.
 def test_clean_code_passes_every_slice(xla_cache):
     points, memory = slices()
     outcome = run_clean(points, memory, xla_cache)  # problems: test_pinned_problem (module docstring)
