@@ -160,6 +160,47 @@ def test_a_close_stream_over_row_blocks_is_the_whole_comparison(plant):
         assert merged.result("oracle", "index_scores", 1e-5) == whole
 
 
+@pytest.mark.parametrize("plant", ["none", "worst", "nan", "pos_inf", "finite_in_dead", "all_dead", "equal"])
+def test_a_close_stream_compares_only_the_live_columns_with_the_same_result(plant, monkeypatch):
+    """A masked score block at length is mostly -inf on both sides: the stream compares the columns
+    between the first and the last that hold anything but -inf (`_live_columns`), and its result
+    (the worst and where, the counts, the ledger, the first NaN or -inf mismatch) is the one of the
+    whole block compared element by element, float32 candidate against float64 reference."""
+    from harness.judging import compare
+
+    rng = np.random.default_rng(11)
+    ref = np.full((1, 9, 40), -np.inf)
+    ref[0, :, 12:20] = rng.standard_normal((9, 8))
+    ref[0, 2, 12:15] = -np.inf
+    x = (ref + rng.standard_normal(ref.shape) * 1e-6).astype(np.float32)
+    if plant == "worst":
+        x[0, 7, 18] += 1e-2
+    elif plant == "nan":
+        x[0, 4, 30] = np.nan
+    elif plant == "pos_inf":
+        x[0, 1, 35] = np.inf
+    elif plant == "finite_in_dead":
+        x[0, 8, 3] = 0.25
+    elif plant == "all_dead":
+        ref[:] = -np.inf
+        x[:] = -np.inf
+    elif plant == "equal":
+        x = ref.astype(np.float32).astype(np.float64)
+        ref = x.copy()
+
+    def run():
+        stream = compare.CloseStream("row", 1e-5).add(x, ref, (0, 100))
+        return vars(stream) | {"ledger": np.sort(np.concatenate(stream.ledger or [np.zeros(0)]))}, stream.result(
+            "oracle", "index_scores", 1e-5)
+
+    cropped = run()
+    monkeypatch.setattr(compare, "_live_columns", lambda x, ref: None)
+    whole = run()
+    assert cropped[1] == whole[1]
+    for k, v in whole[0].items():
+        assert np.array_equal(cropped[0][k], v) if k == "ledger" else cropped[0][k] == v, k
+
+
 def test_a_topk_stream_judges_with_a_tolerance_given_at_the_end():
     from harness.judging.compare import TopkStream
 

@@ -273,7 +273,12 @@ def kl_parts(raw, valid, tq, tkv, cfg: CSAConfig, wide, selection=None, *,
         if selection is None:
             masked = torch.where(valid, raw, torch.full_like(raw, float("-inf")))
             selection = topk_indices(masked, valid, cfg.index_topk)
-        picked = torch.any(selection[..., None] == torch.arange(W), dim=-2)  # [B, S, W]
+        # [B, S, W]: True at each pick. A scatter into one spare column that takes the -1s (and
+        # any id outside 0..W-1, which picks nothing); comparing every pick with every block
+        # would build a [B, S, k, W] array.
+        out_of_range = (selection < 0) | (selection >= W)
+        picked = torch.zeros((B, S, W + 1), dtype=torch.bool)
+        picked = picked.scatter(-1, torch.where(out_of_range, W, selection), True)[..., :W]
         invalid = invalid | ~picked
     valid_tok = torch.any(~invalid, dim=-1)  # [B, S]
     row = valid_tok[..., None]  # [B, S, 1]

@@ -204,6 +204,25 @@ def normalised_error(x, ref, scale: str = "tensor") -> tuple[float, tuple | None
 LEDGER_CAP = 2 ** 20
 
 
+def _live_columns(x: np.ndarray, ref: np.ndarray) -> slice | None:
+    """The columns (last axis) outside which every element of both arrays is -inf, as a slice
+    (possibly empty), or None where cropping is not worth it or not exact: fewer than 2 axes, not
+    floating point, or a NaN anywhere (the uncropped comparison then reports it). Outside the
+    slice the comparison has nothing to add: no NaN, no differing -inf, an error of 0, a row's
+    largest |ref| not there. One column-wise max per array in its own dtype (a masked score row
+    at length is mostly -inf: the float64 work is then done on its live columns only)."""
+    if x.ndim < 2 or x.dtype.kind != "f" or ref.dtype.kind != "f" or not x.size:
+        return None
+    lead = tuple(range(x.ndim - 1))
+    top = np.maximum(np.max(x, axis=lead).astype(np.float64), np.max(ref, axis=lead).astype(np.float64))
+    if np.isnan(top).any():
+        return None
+    cols = np.flatnonzero(top > -np.inf)
+    if cols.size == top.size:
+        return None
+    return slice(int(cols[0]), int(cols[-1]) + 1) if cols.size else slice(0, 0)
+
+
 class CloseStream:
     """The close comparison of SPEC section 10 as a reduction over blocks: the worst normalised
     |x - ref| and its index, the element count, the normalised errors above `keep_above` (the
@@ -226,7 +245,7 @@ class CloseStream:
     def add(self, x, ref, offset: tuple = ()) -> "CloseStream":
         """One block: `x`, `ref` (the same shape) whose element 0 sits at `offset` of the whole
         array (leading axes; missing ones are 0)."""
-        x, ref = to_numpy(x).astype(np.float64), to_numpy(ref).astype(np.float64)
+        x, ref = to_numpy(x), to_numpy(ref)
         self.blocks += 1
         if self.blocks > 1 and self.scale != "row":
             raise ValueError("a tensor-scale comparison needs the whole array in one block")
@@ -234,7 +253,14 @@ class CloseStream:
             self.shape_note = self.shape_note or f"shape differs: candidate {x.shape}, reference {ref.shape}"
             self.total += max(x.size, ref.size)
             return self
-        off = tuple(offset) + (0,) * (x.ndim - len(offset))
+        block_off = tuple(offset) + (0,) * (x.ndim - len(offset))
+        size, off = x.size, block_off
+        # Only the live columns are compared in float64 (where the rest is -inf on both sides).
+        live = _live_columns(x, ref)
+        if live is not None:
+            x, ref = x[..., live], ref[..., live]
+            off = off[:-1] + (off[-1] + live.start,)
+        x, ref = x.astype(np.float64), ref.astype(np.float64)
 
         def at(idx):
             return tuple(int(i) + o for i, o in zip(idx, off))
@@ -255,11 +281,15 @@ class CloseStream:
                 if self.inf_first is None or at(i) < self.inf_first:
                     self.inf_first = at(i)
                     self.inf_note = f"-inf pattern differs (candidate {x[i]!r}, reference {ref[i]!r})"
-        self.total += x.size
+        self.total += size
         error, where, per_elem = normalised_error(x, ref, self.scale)
-        if where is None and x.ndim:  # empty block
+        if where is None and x.ndim and not size:  # empty block
             return self
-        where = at(where) if where is not None else None
+        if live is not None and error == 0.0:
+            # nothing differs: the worst is the block's first element, as the whole block gives it
+            where = tuple(block_off)
+        else:
+            where = at(where) if where is not None else None
         if self.where is None and self.blocks == 1 or error > self.worst or (
                 error == self.worst and where is not None and self.where is not None and where < self.where):
             self.worst, self.where = error, where
@@ -395,7 +425,7 @@ class TopkStream:
         """One block of queries [..., k] (and the oracle's scores [..., W]) whose first query sits
         at `offset` of the whole [B, S] (leading axes; missing ones are 0)."""
         cand, orc = to_numpy(candidate).astype(np.int64), to_numpy(oracle).astype(np.int64)
-        scores = to_numpy(oracle_scores).astype(np.float64)
+        scores = to_numpy(oracle_scores)  # read in float64 only on the rows whose sets differ
         if cand.shape != orc.shape:
             self.shape_note = self.shape_note or f"shape differs: candidate {cand.shape}, reference {orc.shape}"
             self.queries += max(cand.size, orc.size)
@@ -416,11 +446,12 @@ class TopkStream:
                 continue
             swapped = max(len(a - o), len(o - a))
             deviation = math.inf
-            if len(a) == len(o) and all(i < rows.shape[-1] for i in a):
-                kth = min(rows[q, i] for i in o)
-                if all(np.isfinite(rows[q, i]) for i in a ^ o):
-                    deviation = max(abs(rows[q, i] - kth) for i in a ^ o)
-            finite = rows[q][np.isfinite(rows[q])]
+            row = rows[q].astype(np.float64)
+            if len(a) == len(o) and all(i < row.shape[-1] for i in a):
+                kth = min(row[i] for i in o)
+                if all(np.isfinite(row[i]) for i in a ^ o):
+                    deviation = max(abs(row[i] - kth) for i in a ^ o)
+            finite = row[np.isfinite(row)]
             row_max = float(np.max(np.abs(finite))) if finite.size else 0.0
             where = tuple(int(i) + o_ for i, o_ in zip(np.unravel_index(q, lead), off))
             if len(a | o) <= NOTE_PICKS:

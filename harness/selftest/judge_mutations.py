@@ -341,8 +341,8 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     HarnessMutant(
         "tie_checks_only_the_new_pick", "tie", "judging/compare.py",
-        "deviation = max(abs(rows[q, i] - kth) for i in a ^ o)",
-        "deviation = max(abs(rows[q, i] - kth) for i in a - o)",
+        "deviation = max(abs(row[i] - kth) for i in a ^ o)",
+        "deviation = max(abs(row[i] - kth) for i in a - o)",
         _rules("test_topk_replaced_pick_far_above_the_kth_is_never_a_tie"), "top-k tie window",
         "only the candidate's new pick must be near the k-th score, not the pick it replaced: "
         "dropping the best block for a near-tie is excused",
@@ -350,8 +350,8 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     # ------------------------------------------------------------------- sparse end to end, excused
     HarnessMutant(
         "tie_window_around_the_top_score", "tie", "judging/compare.py",
-        "kth = min(rows[q, i] for i in o)",
-        "kth = max(rows[q, i] for i in o)",
+        "kth = min(row[i] for i in o)",
+        "kth = max(row[i] for i in o)",
         _rules("test_topk_tie_window_is_the_score_bound_of_the_row"), "top-k tie window",
         "the tie window centred on the best pick's score instead of the k-th",
     ),
