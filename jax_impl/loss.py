@@ -113,22 +113,12 @@ def _teacher_probs(tq, teacher_kv, additive_mask, sink=None, window=None):
     """
     a = jnp.einsum("bshd,bwd->bshw", tq, teacher_kv) + additive_mask[:, :, None, :]
     if sink is None:
-        return _sum_heads(jax.nn.softmax(a, axis=-1))
+        return jnp.sum(jax.nn.softmax(a, axis=-1), axis=2)
     parts = [jnp.broadcast_to(sink[None, None, :, None], (*a.shape[:3], 1)), a]
     if window is not None:
         parts.append(window_logits(tq, *window))
     log_norm = jax.nn.logsumexp(jnp.concatenate(parts, axis=-1), axis=-1, keepdims=True)
-    return _sum_heads(jnp.exp(a - log_norm))
-
-
-def _sum_heads(p):
-    """p [B, S, h, W] summed over the heads, [B, S, W]: a chain of adds over the head slices, in
-    head order. XLA:CPU's reduce over the middle axis runs about 4x slower (measured at S = 3000,
-    W = 32768, h = 2: 1.4 s against 0.36 s)."""
-    out = p[:, :, 0]
-    for h in range(1, p.shape[2]):
-        out = out + p[:, :, h]
-    return out
+    return jnp.sum(jnp.exp(a - log_norm), axis=2)
 
 
 def _teacher_probs_kernels(tq, od, teacher_kv, keep, live, sink=None, window=None):

@@ -119,15 +119,7 @@ def head_contribution_autodiff(q, keys, hw):
     by plain JAX autodiff; `head_contribution` is the same forward with a hand-written VJP.
     """
     logits = jnp.einsum("bshd,bwd->bshw", q, keys)
-    # The head sum as a chain of [B, S, W] adds over the logits' head slices: XLA:CPU's reduce over
-    # the middle axis of [B, S, c, W] runs 4-7x slower than the dot itself (measured at S = 3000,
-    # W = 32768, c = 2: 4.7 s against 0.9 s), and the chain adds the heads in the order the
-    # head-chunked scan does.
-    fired = jax.nn.relu(logits)
-    out = hw[:, :, 0, None] * fired[:, :, 0]
-    for h in range(1, q.shape[2]):
-        out = out + hw[:, :, h, None] * fired[:, :, h]
-    return out
+    return jnp.sum(hw[..., None] * jax.nn.relu(logits), axis=2)
 
 
 @jax.custom_vjp

@@ -206,8 +206,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- scoring (SPEC section 7)
     Mutant(
         "score_missing_relu", "scoring", "scoring.py",
-        "    fired = jax.nn.relu(logits)\n",
-        "    fired = logits\n",
+        "    return jnp.sum(hw[..., None] * jax.nn.relu(logits), axis=2)",
+        "    return jnp.sum(hw[..., None] * logits, axis=2)",
         ("exact64",), (TINY64,),
         "ReLU of the per-head logits left out",
     ),
