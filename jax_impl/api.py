@@ -192,7 +192,7 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     """The forward once, the three loss heads, and ONE backward pass through the indexer
     batched over the three loss cotangents (chain rule: d loss / d params = J^T d loss / d scores,
     J the Jacobian of the masked scores). A third of the program of three jax.grad calls."""
-    if cfg.query_chunk:  # the query-blocked path: its own walk, every mode at once
+    if cfg.query_chunk:  # the query-blocked path, one loss-and-grads per mode
         return query_blocks.parity_bundle(params, float_inputs, int_inputs, selection, cfg, dtype_name)
     dtype, wide = resolve_dtype(dtype_name)
 
@@ -223,24 +223,6 @@ def _bundle_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
             ig[n] = ig[n] + g
         out[mode] = (losses[mode], pg, ig)
     return out
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype_name"))
-def _losses_jit(params, float_inputs, int_inputs, selection, cfg, dtype_name):
-    return query_blocks.losses_and_grads(params, float_inputs, int_inputs, selection, cfg, dtype_name)
-
-
-def indexer_losses_and_grads(params, inputs, cfg: CSAConfig, dtype: str, selection=None):
-    """`indexer_loss_and_grads` in every mode at once, on the query-blocked path (`cfg.query_chunk`
-    > 0): {"dense", "sparse" (the own top-k), and with `selection` "sparse_at_selection": (loss,
-    param_grads, input_grads)}, `cfg.sparse_loss` ignored. One walk over the blocks computes each
-    block's scores once for every mode, and one backward walk gives every mode's gradients: what a
-    problem too long to hold [B, S, W] (harness.run.long) affords, for about the cost of one mode."""
-    if not cfg.query_chunk:
-        raise ValueError(f"query_chunk={cfg.query_chunk}: indexer_losses_and_grads walks query blocks "
-                         "(query_chunk >= 1); without them, indexer_parity_bundle computes every mode in one program")
-    args = prepare_arguments(params, inputs, cfg, dtype, selection)
-    return _losses_jit(*args, cfg, dtype)
 
 
 def indexer_parity_bundle(params, inputs, cfg: CSAConfig, dtype: str, selection, codes=None):

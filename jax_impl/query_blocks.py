@@ -225,15 +225,6 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
     """The loss of the rows of `inputs` (the float and int inputs in one dict) against the keys
     `keys_wide` and their `blocks`, `r` rows a block (`rows_forward`); on a mesh, `shard` adds
     the heads and the rows the other devices hold."""
-    return rows_losses(params, keys_wide, blocks, inputs, ((cfg.sparse_loss, selection),), cfg, dtype_name, r,
-                       shard)[0]
-
-
-def rows_losses(params, keys_wide, blocks, inputs, modes, cfg, dtype_name, r: int, shard=ONE_DEVICE):
-    """`rows_loss` of each of `modes` ((sparse, selection) pairs; `cfg.sparse_loss` is not read), in
-    one walk over the blocks: a block's scores, validity and top-k are computed once and each
-    mode's teacher row and KL terms from them. Each mode's loss is what `rows_loss` gives for
-    it alone: the modes share the scores, not a sum."""
     dtype, wide = resolve_dtype(dtype_name)
     seq_len = inputs["position_ids"].shape[1]
     # The teacher inputs are rounded once, but teacher_query [B, S, H, D], only per block (the
@@ -249,32 +240,24 @@ def rows_losses(params, keys_wide, blocks, inputs, modes, cfg, dtype_name, r: in
     def body(_, start):
         masked, valid, topk, rows = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name,
                                                   shard)
+        sel = None if selection is None else _take_rows(selection, rows)
+        keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
         tq = _take_rows(inputs["teacher_query"], rows)
         tq = jax.lax.stop_gradient(widen(round_to(tq, dtype), wide))
-        terms = []
-        for sparse, selection in modes:
-            sel = None if selection is None else _take_rows(selection, rows)
-            keep, valid_tok = loss_keep(valid, topk, sparse, sel)
-            t = jax.lax.stop_gradient(teacher_distribution({**teacher, "teacher_query": tq}, keep, valid_tok, cfg,
-                                                           rows, inputs["segment_ids"], window, shard.sum_heads,
-                                                           dtype))
-            kl = kl_per_token(masked, keep, valid_tok, t, sparse)
-            terms.append((kl, valid_tok))
-        return None, tuple(terms)
+        t = jax.lax.stop_gradient(teacher_distribution({**teacher, "teacher_query": tq}, keep, valid_tok, cfg,
+                                                       rows, inputs["segment_ids"], window, shard.sum_heads, dtype))
+        kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
+        return None, (kl, valid_tok)
 
-    # Per mode, kl, valid_tok: [nb, B, r]. The padding rows of the last block are in there: `row_ok`
+    # kl, valid_tok: [nb, B, r]. The padding rows of the last block are in there: `row_ok`
     # made them rows with no valid block, so their KL term is 0 and they are not counted.
     # The backward recomputes each block (jax.checkpoint), keeping only the teacher kernels'
-    # normaliser [B, r, h] per block and mode ([B, S, h] in all, one or two; none on the XLA path),
-    # so the recomputed T costs one kernel, not three.
+    # normaliser [B, r, h] per block ([B, S, h] in all, one or two; none on the XLA path), so
+    # the recomputed T costs one kernel, not three.
     body_ckpt = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(TEACHER_NORMALISER))
-    terms = _over_blocks(body if num_query_blocks(seq_len, r) == 1 else body_ckpt, seq_len, r)
-    return tuple(_mean_over_rows(kl, valid_tok, cfg, wide, shard) for kl, valid_tok in terms)
-
-
-def _mean_over_rows(kl, valid_tok, cfg, wide, shard):
-    """The loss from the blocks' KL terms: the normaliser is global, every block's valid rows (on a
-    mesh: every device's) counted once, divided once."""
+    kl, valid_tok = _over_blocks(body if num_query_blocks(seq_len, r) == 1 else body_ckpt, seq_len, r)
+    # The normaliser is global: every block's valid rows (on a mesh: every device's), counted
+    # once, divided once.
     total = _apply(shard.sum_rows, jnp.sum(kl))
     count = _apply(shard.sum_rows, jnp.sum(valid_tok))
     return cfg.loss_scale * total / jnp.maximum(count, 1).astype(wide)
@@ -283,33 +266,11 @@ def _mean_over_rows(kl, valid_tok, cfg, wide, shard):
 def parity_bundle(params, float_inputs, int_inputs, selection, cfg, dtype_name):
     """What jax_impl.api's parity bundle returns, on the blocked path: the forward and,
     per mode (dense, sparse, sparse at `selection`), (loss, param_grads, input_grads)."""
-    return {"forward": forward(params, {**float_inputs, **int_inputs}, cfg, dtype_name),
-            **losses_and_grads(params, float_inputs, int_inputs, selection, cfg, dtype_name)}
-
-
-def losses_and_grads(params, float_inputs, int_inputs, selection, cfg, dtype_name):
-    """{"dense", "sparse", and where `selection` is given "sparse_at_selection": (loss,
-    param_grads, input_grads)}, `cfg.sparse_loss` not read.
-
-    The losses come from one walk over the blocks (`rows_losses`) and their gradients from ONE
-    backward walk batched over the losses' cotangents (jax.vmap of the pullback): each block's
-    forward is recomputed once for every mode, not once per mode (the unblocked bundle does the
-    same, jax_impl.api). Nothing of [B, S, W] leaves it."""
-    _, wide = resolve_dtype(dtype_name)
-    modes = {"dense": (False, None), "sparse": (True, None)}
-    if selection is not None:
-        modes["sparse_at_selection"] = (True, selection)
-    seq_len = int_inputs["position_ids"].shape[1]
-
-    def losses(params, float_inputs):
-        inputs = {**float_inputs, **int_inputs}
-        if cfg.num_blocks(seq_len) == 0:
-            return jnp.zeros((len(modes),), wide)
-        _, keys_wide, blocks, _ = _setup(params, inputs, cfg, dtype_name)
-        return jnp.stack(rows_losses(params, keys_wide, blocks, inputs, tuple(modes.values()), cfg, dtype_name,
-                                     block_rows(cfg, seq_len)))
-
-    values, pullback = jax.vjp(losses, params, float_inputs)
-    param_grads, input_grads = jax.vmap(pullback)(jnp.eye(len(modes), dtype=values.dtype))
-    return {mode: (values[i], {k: v[i] for k, v in param_grads.items()}, {k: v[i] for k, v in input_grads.items()})
-            for i, mode in enumerate(modes)}
+    out = {"forward": forward(params, {**float_inputs, **int_inputs}, cfg, dtype_name)}
+    modes = {"dense": (False, None), "sparse": (True, None), "sparse_at_selection": (True, selection)}
+    for mode, (sparse, sel) in modes.items():
+        c = dataclasses.replace(cfg, sparse_loss=sparse)
+        value, (pg, ig) = jax.value_and_grad(loss, argnums=(0, 1))(
+            params, float_inputs, int_inputs, sel, c, dtype_name)
+        out[mode] = (value, pg, ig)
+    return out

@@ -163,8 +163,7 @@ def test_one_block_is_bit_identical_to_native():
 
 def test_entry_points_route_to_the_blocked_path():
     """indexer_forward / indexer_loss / indexer_loss_and_grads with query_chunk > 0 give what the
-    bundle's blocked path gives (the same functions, compiled separately), and
-    indexer_losses_and_grads every mode of it."""
+    bundle's blocked path gives (the same functions, compiled separately)."""
     params, inputs, selection = _problem()
     cfg = jax_impl.CSAConfig.from_dict(dict(SMALL, query_chunk=8, sparse_loss=True))
     bundle = _bundle("float32", 8, 0, 0)
@@ -177,17 +176,6 @@ def test_entry_points_route_to_the_blocked_path():
     for q, value in (("loss", loss), ("loss", only_loss), *((f"grad.{k}", pg[k]) for k in PARAMS)):
         r = compare_close("entry", q, to_numpy(value), want[q], chunk_bound("float32", q))
         assert r.passed, r.message
-    # Every mode at once (what the long sample runs): each mode as the bundle gives it.
-    every = jax_impl.api.indexer_losses_and_grads(params, inputs, cfg, "float32", selection=selection)
-    assert set(every) == set(MODES)
-    for mode in MODES:
-        loss, pg, ig = every[mode]
-        for q, value in (("loss", loss), *((f"grad.{k}", pg[k]) for k in PARAMS)):
-            r = compare_close("entry", q, to_numpy(value), bundle[mode][q], chunk_bound("float32", q))
-            assert r.passed, f"{mode}: {r.message}"
-        assert set(ig) == set(bundle[mode]["input_grads"]), mode
-    with pytest.raises(ValueError, match="query_chunk=0: indexer_losses_and_grads walks query blocks"):
-        jax_impl.api.indexer_losses_and_grads(params, inputs, dataclasses.replace(cfg, query_chunk=0), "float32")
 
 
 # ----------------------------------------------------------------------------- config

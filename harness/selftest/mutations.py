@@ -283,8 +283,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "qchunk_normaliser_per_block", "chunking", "query_blocks.py",
-        "            terms.append((kl, valid_tok))\n",
-        "            terms.append((kl / jnp.maximum(jnp.sum(valid_tok), 1), valid_tok))\n",
+        "        return None, (kl, valid_tok)\n",
+        "        return None, (kl / jnp.maximum(jnp.sum(valid_tok), 1), valid_tok)\n",
         ("chunk", "exact64"), (TINY64_QCHUNK,),
         "query blocks: each block's KL sum divided by its own count of valid rows and the blocks' "
         "means summed, instead of one global sum over one global count",

@@ -5,9 +5,8 @@ streams into the judge.
   float64 and at the point's dtype;
 - the candidate: `jax_impl.api.indexer_forward_rows` (its own program on a block of query rows
   given every key: the point's query blocks counted from the block's first row, so the blocks
-  it is asked for start at multiples of the point's r) and, whole, `indexer_losses_and_grads` on
-  the query-blocked path (every mode's loss and gradients from one walk over the blocks: scalars
-  and parameter-shaped arrays, nothing of [B, S, W] leaves it).
+  it is asked for start at multiples of the point's r) and, whole, `indexer_loss_and_grads` on
+  the query-blocked path (a scalar and parameter-shaped arrays: nothing of [B, S, W] leaves it).
 
 Nothing here judges: it returns host numpy arrays under the canonical names of harness.outputs.
 """
@@ -88,14 +87,13 @@ def candidate_keys(params, inputs, problem, point: Point) -> np.ndarray:
 
 def candidate_losses(params, inputs, problem, point: Point, selection: np.ndarray) -> dict[str, np.ndarray]:
     """The candidate's loss, parameter and input gradients in dense, sparse (its own top-k) and
-    sparse_at_oracle (the oracle's picks `selection`), on its query-blocked path: the three from
-    one walk over the blocks and one backward walk (`indexer_losses_and_grads`)."""
+    sparse_at_oracle (the oracle's picks `selection`), on its query-blocked path."""
     from jax_impl import api
 
-    res = api.indexer_losses_and_grads(params, inputs, jax_config(problem, point), point.dtype, selection=selection)
     out = {}
-    for variant, mode in (("dense", "dense"), ("sparse", "sparse"), ("sparse_at_oracle", "sparse_at_selection")):
-        loss, pg, ig = res[mode]
+    for variant, sparse, sel in (("dense", False, None), ("sparse", True, None), ("sparse_at_oracle", True, selection)):
+        loss, pg, ig = api.indexer_loss_and_grads(params, inputs, jax_config(problem, point, sparse), point.dtype,
+                                                  selection=sel)
         out[f"loss.{variant}"] = np.asarray(loss, np.float64)
         out.update({f"grad.{variant}.{n}": np.asarray(pg[n], np.float64) for n in PARAM_NAMES})
         out.update({f"input_grad.{variant}.{n}": np.asarray(ig[n], np.float64) for n in FLOAT_INPUT_NAMES if n in ig})
@@ -104,4 +102,3 @@ def candidate_losses(params, inputs, problem, point: Point, selection: np.ndarra
 
 def as_outputs(source: str, values: Mapping[str, np.ndarray]) -> Outputs:
     return Outputs(source, dict(values))
-
