@@ -2,12 +2,17 @@
 a shortened copy of a long case (the full sample takes tens of minutes: docs/matrix.md), and the
 command line's refusals."""
 
+import argparse
+import json
+import re
+
 import pytest
 
 from harness.problems.cases import LONG_CASES
 from harness.run import long
 from harness.run.cli import main
 from harness.run.report import record, rerun_command
+from harness.sides import worker
 
 
 @pytest.mark.torch
@@ -78,3 +83,42 @@ def test_a_block_of_rows_is_those_rows_of_the_whole_forward(case, rows):
         assert np.asarray(s).shape[1] == n and np.asarray(k).shape[1] == n
         np.testing.assert_array_equal(np.asarray(s), whole[:, start:start + n], err_msg=f"scores from row {start}")
         np.testing.assert_array_equal(np.asarray(k), picks[:, start:start + n], err_msg=f"picks from row {start}")
+
+
+def test_a_long_case_over_the_memory_limit_is_an_error_with_its_peak():
+    """A long case runs in a worker of its own (harness.sides.worker.call_in_worker), its memory read
+    as it runs: one that grows past the limit (here 1 GiB, 64 MiB at a time:
+    tests/plugins/misbehaving.py:grow_call) is killed and the call raises one line with its peak;
+    one that returns gives its result and the worker's peak. About 5 s."""
+    with pytest.raises(worker.WorkerCrash) as crash:
+        worker.call_in_worker("plugins.misbehaving:grow_call", (), "long case grown", 120.0, 2**30)
+    match = re.fullmatch(r"out of memory: peak (\d+\.\d\d) GiB \(limit 1\.00 GiB\) at long case grown", str(crash.value))
+    assert match and float(match[1]) >= 1.0, str(crash.value)
+    value, peak = worker.call_in_worker("os.path:join", ("a", "b"), "long case small", 120.0, 2**30)
+    assert value == "a/b" and 0 < peak < 2**30
+
+
+def test_a_long_case_that_dies_is_an_error_at_every_entry_and_the_run_goes_on(monkeypatch, tmp_path, capsys):
+    """`csa-parity run --sample long`: the first case's worker runs out of memory; each of its
+    entries is an error with that line, the second case is still judged (here: nothing to judge),
+    the exit status is 1 and the reports say which case and why."""
+    line = "out of memory: peak 9.10 GiB (limit 8.00 GiB) at long case long_deep_documents"
+
+    def fake(target, args, label, limit_s, max_memory):
+        assert target == "harness.run.long:case_records" and limit_s == long.LONG_TIMEOUT_S and max_memory == 8 * 2**30
+        if args[0] == "long_deep_documents":
+            raise worker.WorkerCrash(line)
+        return ([], {"jax": 1.0, "oracle": 2.0, "judge": 3.0}), 2**30
+
+    monkeypatch.setattr(worker, "call_in_worker", fake)
+    args = argparse.Namespace(cases=None, dtypes=None, modes=None, timeout=None, max_memory="8GiB", out=str(tmp_path))
+    assert long.run(args) == 1
+    report = json.loads((tmp_path / "parity.json").read_text())
+    errors = [r for r in report["results"] if r["status"] == "error"]
+    entries = long.case_entries("long_deep_documents", long.LONG_DTYPES, None)
+    assert len({r["id"] for r in errors}) == len(entries) and all(r["case"] == "long_deep_documents" for r in errors)
+    assert all(line in r["message"] and r["rerun"].startswith("csa-parity run --sample long") for r in errors)
+    assert report["long_stages"]["long_deep_documents"]["error"] == line
+    assert report["long_stages"]["long_ties_k2048"]["peak_rss_gib"] == 1.0
+    out = capsys.readouterr().out
+    assert "long_deep_documents: ERROR after" in out and "long_ties_k2048: jax 1.0 s, oracle 2.0 s" in out

@@ -401,7 +401,7 @@ _LONG = (
                    "in `ties`: a block's key is its own tokens'), 4 or 5 copies inside that document, so "
                    "the k-th score of its late rows sits in a group of twins split by the boundary; the 56 "
                    "documents before it have 512 blocks, fewer than k (their rows keep 1536 or more -1 "
-                   "picks); B*S*W = 4.3e9 (past 2^31); query blocks of 4096"),
+                   "picks); B*S*W = 4.3e9 (past 2^31); query blocks of 1024"),
 )
 LONG_CASES: Mapping[str, Case] = MappingProxyType({c.name: c for c in _LONG})
 

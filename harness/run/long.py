@@ -1,7 +1,8 @@
 """The long sample (`csa-parity run --sample long`, SPEC section 11): every long case
 (harness.problems.cases.LONG_CASES) at float32 and bfloat16, chunked and native
 (harness.problems.matrix.long_points), judged on every quantity against the float64 reference by
-the matrix's rule, without any process holding a [B, S, W] array.
+the matrix's rule, without any process holding a [B, S, W] array. Each case runs in a worker
+process of its own (`run`): one that runs out of memory or time is an error at its points.
 
 Per case, one walk over the rows in the candidate's query blocks of r rows: the candidate's
 scores and picks of the block at each point and dtype (harness.sides.long_sides), then, per slice
@@ -182,10 +183,34 @@ def _with_note(res, note):
     return dataclasses.replace(res, note=res.note + note) if note else res
 
 
+# The time limit of one long case when `--timeout` is not given: about 4x what one case at both
+# dtypes is estimated to take on the 2-core machine (docs/matrix.md, "How long it takes here"), so
+# that only a hang or a pathological slowdown reaches it.
+LONG_TIMEOUT_S = 4 * 3600.0
+
+
+def case_records(name: str, dtypes, modes) -> tuple[list[dict], dict[str, float]]:
+    """What a worker of `run` does with one long case: (its report records, the time per stage)."""
+    from .report import record
+
+    results, clock = judge_case(name, dtypes, modes, log=lambda line: print(line, file=sys.stderr, flush=True))
+    return [record(e, r) for e, r in results], clock
+
+
+def case_entries(name: str, dtypes, modes) -> list[Entry]:
+    """Every entry `judge_case` judges for the case at `dtypes`: those a failed case reports."""
+    return [e for t in dtypes for p in long_points(name, t) for e in _entries(p, modes)]
+
+
 def run(args) -> int:
-    """`csa-parity run --sample long`: judge, print the matrix's table and lines, write the reports."""
-    from .report import (attach_reruns, failure_lines, format_table, headroom_table, record, status_line, summarise,
-                         table, write_reports)
+    """`csa-parity run --sample long`: judge each case in a worker process of its own (a case that
+    runs out of memory, over `--max-memory` or killed by the kernel, or past `--timeout` is an error
+    at its points, with its peak; the run goes on), print the matrix's table and lines, write the
+    reports."""
+    from ..sides.worker import WorkerCrash, call_in_worker, first_line, gib, parse_size
+    from .report import (attach_reruns, failure_lines, format_table, headroom_table, status_line, summarise, table,
+                         write_reports)
+    from .tasks import error_records
 
     began = time.time()
     names = args.cases or list(LONG_CASES)
@@ -196,19 +221,31 @@ def run(args) -> int:
     bad = [d for d in dtypes if d not in LONG_DTYPES]
     if bad:
         raise ValueError(f"--sample long judges {', '.join(LONG_DTYPES)}; not {', '.join(bad)}")
+    limit_s = args.timeout if args.timeout is not None else LONG_TIMEOUT_S
+    max_memory = None if getattr(args, "max_memory", None) is None else parse_size(args.max_memory)
     records, stages = [], {}
     for name in names:
         print(f"long case {name}: S={LONG_CASES[name].seq_len}, W={LONG_CASES[name].num_blocks}, "
-              f"k={LONG_CASES[name].config['index_topk']}", file=sys.stderr)
+              f"k={LONG_CASES[name].config['index_topk']} (a worker of its own)", file=sys.stderr)
         started = time.time()
-        results, clock = judge_case(name, dtypes, args.modes, log=lambda line: print(line, file=sys.stderr))
-        stages[name] = {**{k: round(v, 1) for k, v in clock.items()}, "wall_s": round(time.time() - started, 1),
-                        "peak_rss_gib": round(peak_rss_gib(), 2)}
-        records += [record(e, r) for e, r in results]
+        try:
+            (recs, clock), peak = call_in_worker(f"{__name__}:case_records", (name, dtypes, args.modes),
+                                                 f"long case {name}", limit_s, max_memory)
+            stages[name] = {**{k: round(v, 1) for k, v in clock.items()}, "wall_s": round(time.time() - started, 1),
+                            "peak_rss_gib": None if peak is None else round(peak / 2**30, 2)}
+        except WorkerCrash as exc:
+            recs = error_records(case_entries(name, dtypes, args.modes), str(exc))
+            stages[name] = {"wall_s": round(time.time() - started, 1), "error": str(exc)}
+        except Exception as exc:  # the harness raised in the worker: the case's error, the run goes on
+            line = f"the harness raised at long case {name}: {first_line(exc)}"
+            recs = error_records(case_entries(name, dtypes, args.modes), line)
+            stages[name] = {"wall_s": round(time.time() - started, 1), "error": line}
+        records += recs
     attach_reruns(records)
     records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["mode"], r["quantity"], r["check"]))
     meta = {"impl": "jax", "reference": "live (row blocks)", "tolerance_profile": "highest", "sample": "long",
-            "wall_s": time.time() - began, "long_stages": stages, "selection": {"sample": "long", "cases": names}}
+            "wall_s": time.time() - began, "long_stages": stages, "timeout_s": limit_s, "max_memory_bytes": max_memory,
+            "selection": {"sample": "long", "cases": names}}
     paths = write_reports(records, meta, args.out, heatmap_too=False)
     summary = summarise(records)
     header, rows = table(records)
@@ -221,8 +258,12 @@ def run(args) -> int:
     print("headroom: worst ratio per kind and dtype:")
     print(format_table(hr_header, hr_rows))
     for name, s in stages.items():
+        if "error" in s:
+            print(f"{name}: ERROR after {s['wall_s']:.1f} s: {s['error']}")
+            continue
+        peak = "unknown" if s["peak_rss_gib"] is None else gib(s["peak_rss_gib"] * 2**30)
         print(f"{name}: jax {s.get('jax', 0):.1f} s, oracle {s.get('oracle', 0):.1f} s, judge {s.get('judge', 0):.1f} s, "
-              f"wall {s['wall_s']:.1f} s, peak RSS {s['peak_rss_gib']:.2f} GiB")
+              f"wall {s['wall_s']:.1f} s, peak RSS {peak} (its worker)")
     for line in failure_lines(records)[:20]:
         print("FAIL", line)
     print(f"reports: {paths['json']}, {paths['md']}")

@@ -598,6 +598,36 @@ def _drop_local() -> None:
         _LOCAL = None
 
 
+def call_in_worker(target: str, args: tuple, label: str, limit_s: float, max_memory: int | None = None):
+    """`module:function(*args)` run once in a fresh worker process, its memory read every POLL_S:
+    (what it returns, the worker's peak resident bytes or None where none was read). Raises what it
+    raises; raises WorkerCrash (one line about `label`, with the peak) when the worker died (out of
+    memory over `max_memory` bytes, killed by the kernel's OOM killer, a signal) or ran past
+    `limit_s` seconds. The worker is ended either way. How `csa-parity run --sample long` runs each
+    long case: a case that runs out of memory is an error at its points, and the run goes on."""
+    w = _start(_local_init())
+    try:
+        w.begin_point()
+        w.conn.send(("call", target, args, list(sys.path), {}))
+        start = time.monotonic()
+        while True:
+            mpc.wait([w.conn, w.proc.sentinel], timeout=POLL_S)
+            for msg in w.messages():
+                if msg[0] == "result":
+                    w.watch(None)
+                    return msg[1], w.peak
+                if msg[0] == "raised":
+                    raise msg[1]
+            w.watch(max_memory)
+            if not w.proc.is_alive():
+                raise WorkerCrash(f"{w.death()} at {label}")
+            if time.monotonic() - start > limit_s:
+                peak = "unknown" if w.peak is None else gib(w.peak)
+                raise WorkerCrash(f"timed out after {limit_s:g} s (peak {peak}) at {label}")
+    finally:
+        w.kill()
+
+
 def isolated(target: str, *args, label: str):
     """`module:function(*args)` run in this process's worker (started on first use, kept for the
     next call, replaced when it dies or runs past the time limit): how a plug-in runs outside

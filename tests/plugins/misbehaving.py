@@ -67,6 +67,11 @@ def grow_task(entries, reference, profile):
     return list(entries)
 
 
+def grow_call():
+    """A call for harness.sides.worker.call_in_worker: grows (`_grow`) until something ends it."""
+    _grow()
+
+
 def _hang():
     marker = os.environ.get("CSA_TEST_HANG_MARKER")
     if marker:  # tells the test that the run has reached this point
