@@ -21,7 +21,9 @@ not known to the harness (its programs still come from JAX's compilation cache).
 A change to any part of a key is another key, so a stale entry is never read: it is left to
 age out (least recently used first, above MAX_BYTES).
 
-Off unless `use(root)` named a cache directory (the CLI's workers do; pytest does not).
+Off unless `use(root)` named a cache directory: the CLI's workers do, and a plug-in's worker
+outside the CLI (harness.sides.worker.isolated, e.g. under the pytest plugin) where
+CSA_PARITY_CACHE_DIR names one; a pytest process itself does not.
 """
 
 from __future__ import annotations
