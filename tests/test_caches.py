@@ -157,6 +157,45 @@ def test_the_reference_cache_serves_identical_outputs_and_misses_when_a_source_c
         reference_cache.use(None)
 
 
+@pytest.mark.torch  # the live reference
+def test_a_stage_plugins_reference_values_are_served_from_the_cache_and_missed_when_a_source_changes(
+        tmp_path, monkeypatch):
+    """The values a stage plug-in is judged on (the scoring stage's inputs, output and gradients;
+    the quantizer stage's rotated inputs, codes and scales), which every worker of a stage
+    plug-in's run reads: stored on the first call, served on the next bit for bit (a fresh
+    process's view: the in-process caches cleared), computed again once the reference's sources
+    differ, under a key of their own per stage and dtype."""
+    reference_cache.use(str(tmp_path / "cache"))
+    implementations.clear_caches()
+    try:
+        for stage, read, case in (("scores", implementations.reference_stage_values, "tiny"),
+                                  ("quantizer", implementations.reference_quantizer_values, "quant_planted")):
+            problem = implementations.fixture(case)
+            before = timing.snapshot()
+            fresh = read(problem, "float32")
+            implementations.clear_caches()
+            served = read(problem, "float32")
+            counts = timing.split(before, timing.snapshot())
+            assert (counts["references_computed"], counts["references_loaded"]) == (1, 1), stage
+            assert served.keys() == fresh.keys() and len(fresh) >= 6, stage
+            for name, value in fresh.items():
+                assert served[name].dtype == value.dtype and np.array_equal(served[name], value), (stage, name)
+            parts = reference_cache.stage_key_parts(problem.path, "float32", stage)
+            assert parts["reference_stage"] == stage and "teacher" not in parts
+            assert reference_cache.key(parts) != reference_cache.key(
+                reference_cache.stage_key_parts(problem.path, "float64", stage))
+        assert reference_cache.key(reference_cache.stage_key_parts(problem.path, "float32", "scores")) != \
+            reference_cache.key(reference_cache.stage_key_parts(problem.path, "float32", "quantizer"))
+        monkeypatch.setattr(reference_cache, "sources_sha", lambda: "torch_ref edited")
+        implementations.clear_caches()
+        before = timing.snapshot()
+        implementations.reference_stage_values(implementations.fixture("tiny"), "float32")
+        assert timing.split(before, timing.snapshot())["references_computed"] == 1
+    finally:
+        reference_cache.use(None)
+        implementations.clear_caches()
+
+
 def test_the_time_split_adds_up_and_counts_a_nested_section_once():
     """A reference read inside an implementation's call (a stage plug-in does that) counts as
     reference only; the shares of a stretch without JAX compilations add up to its wall time."""

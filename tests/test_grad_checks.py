@@ -56,7 +56,9 @@ def test_check_grads_on_the_custom_vjp_of_the_scoring():
     margin = _kink_margin(jnp.einsum("bshd,bwd->bshw", q, keys))
     assert margin >= MARGIN, f"a logit sits {margin:.2e} from the ReLU kink: pick another point"
     assert q.dtype == jnp.float64
-    check_grads(scoring.head_contribution, (q, keys, hw), order=2, modes=("rev",), atol=TOL, rtol=TOL, eps=EPS)
+    # jitted: check_grads evaluates it and its VJP at several points of one shape (trace once)
+    check_grads(jax.jit(scoring.head_contribution), (q, keys, hw), order=2, modes=("rev",), atol=TOL, rtol=TOL,
+                eps=EPS)
     # the check can fail: a wrong backward (dK dropped) is caught at order 1
     broken = jax.custom_vjp(scoring.head_contribution_autodiff)
     broken.defvjp(lambda q, k, h: (scoring.head_contribution_autodiff(q, k, h), (q, k, h)),
@@ -117,6 +119,7 @@ def test_check_grads_on_the_loss_with_respect_to_the_six_parameters(chunk, teach
     assert margin >= MARGIN, f"a logit sits {margin:.2e} from the ReLU kink: pick another point"
     names = jax_impl.PARAM_NAMES
 
+    @jax.jit  # check_grads evaluates the loss and its VJP at several points of one shape: trace once
     def loss(*ps):
         return jax_impl.indexer_loss(dict(zip(names, ps)), inputs, cfg, "float64")
 

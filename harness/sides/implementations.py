@@ -477,7 +477,24 @@ def reference_stage_values(problem, dtype: str) -> dict[str, np.ndarray]:
 @functools.lru_cache(maxsize=None)
 def _reference_stage_values(name, dtype, directory) -> dict[str, np.ndarray]:
     with timing.section("reference"):
-        return _reference_stage_values_timed(name, dtype, directory)
+        return _cached_stage_values("scores", name, dtype, directory, _reference_stage_values_timed)
+
+
+def _cached_stage_values(stage: str, name, dtype, directory, compute) -> dict[str, np.ndarray]:
+    """`compute(name, dtype, directory)`, read from the reference cache where it is on (a stage
+    plug-in's every worker would otherwise import torch and compute the same stage again), or
+    computed and stored there."""
+    if not reference_cache.enabled():
+        return compute(name, dtype, directory)
+    key = reference_cache.key(reference_cache.stage_key_parts(_fixture(name, directory).path, dtype, stage))
+    stored = reference_cache.load(key)
+    if isinstance(stored, dict):
+        timing.count("references_loaded")
+        return stored
+    values = compute(name, dtype, directory)
+    timing.count("references_computed")
+    reference_cache.store(key, values)
+    return values
 
 
 def _reference_stage_values_timed(name, dtype, directory) -> dict[str, np.ndarray]:
@@ -525,21 +542,25 @@ def reference_quantizer_values(problem, dtype: str) -> dict[str, np.ndarray]:
 @functools.lru_cache(maxsize=None)
 def _reference_quantizer_values(name, dtype, directory) -> dict[str, np.ndarray]:
     with timing.section("reference"):
-        import torch_ref
+        return _cached_stage_values("quantizer", name, dtype, directory, _reference_quantizer_values_timed)
 
-        problem = _fixture(name, directory)
-        cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in problem.config.items() if k not in KNOBS})
-        quant = dict(problem.config["index_quant"])
-        with worker.stage("torch_ref quantizer stage", Point(name, dtype).label), deterministic_torch() as torch:
-            values = {}
-            for side, rotated in torch_rotated(problem, cfg, dtype).items():
-                rotated_name = ROTATED_NAMES[side]
-                rotated = rotated.to(torch.float64 if dtype == "float64" else torch.float32)
-                _, _, codes, scales = torch_ref.quant.quantize(rotated, quant, rotated.dtype)
-                values[f"input.{rotated_name}"] = rotated.numpy().copy()
-                values[f"stage.quantizer.{side}_codes"] = codes.numpy().astype(np.uint8)
-                values[f"stage.quantizer.{side}_scales"] = scales.numpy().astype(np.float32)
-        return values
+
+def _reference_quantizer_values_timed(name, dtype, directory) -> dict[str, np.ndarray]:
+    import torch_ref
+
+    problem = _fixture(name, directory)
+    cfg = torch_ref.CSAConfig.from_dict({k: v for k, v in problem.config.items() if k not in KNOBS})
+    quant = dict(problem.config["index_quant"])
+    with worker.stage("torch_ref quantizer stage", Point(name, dtype).label), deterministic_torch() as torch:
+        values = {}
+        for side, rotated in torch_rotated(problem, cfg, dtype).items():
+            rotated_name = ROTATED_NAMES[side]
+            rotated = rotated.to(torch.float64 if dtype == "float64" else torch.float32)
+            _, _, codes, scales = torch_ref.quant.quantize(rotated, quant, rotated.dtype)
+            values[f"input.{rotated_name}"] = rotated.numpy().copy()
+            values[f"stage.quantizer.{side}_codes"] = codes.numpy().astype(np.uint8)
+            values[f"stage.quantizer.{side}_scales"] = scales.numpy().astype(np.float32)
+    return values
 
 
 def stage_references(case: str, dtype: str, stage: str = "scores") -> Outputs:

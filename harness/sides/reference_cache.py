@@ -2,7 +2,9 @@
 
 torch_ref computes the same outputs for the same fixture whatever the implementation under test
 does, so a rerun reads them back instead of starting torch (its import and its deterministic
-mode cost a worker seconds; a large case's float64 backward more). An entry is keyed by
+mode cost a worker seconds; a large case's float64 backward more). The same holds for the values
+of one stage a stage plug-in is judged on (its inputs and the reference's output and gradients):
+each worker of a stage plug-in's run, the one that replaces a crashed worker included, reads them. An entry is keyed by
 everything its values follow from: the fixture file's bytes (sha256), the point's dtype and
 teacher, the loss variants, the source of torch_ref and of the harness modules that call it
 and name its outputs, the versions of torch, numpy, ml_dtypes and Python, the machine and
@@ -19,7 +21,9 @@ not known to the harness (its programs still come from JAX's compilation cache).
 A change to any part of a key is another key, so a stale entry is never read: it is left to
 age out (least recently used first, above MAX_BYTES).
 
-Off unless `use(root)` named a cache directory (the CLI's workers do; pytest does not).
+Off unless `use(root)` named a cache directory: the CLI's workers do, and a plug-in's worker
+outside the CLI (harness.sides.worker.isolated, e.g. under the pytest plugin) where
+CSA_PARITY_CACHE_DIR names one; a pytest process itself does not.
 """
 
 from __future__ import annotations
@@ -142,6 +146,15 @@ def key_parts(fixture_path: Path, dtype: str, teacher: str, variants) -> dict:
             "numpy": _version("numpy"), "ml_dtypes": _version("ml_dtypes"), "python": sys.version,
             "machine": platform.machine(),
             "cpu_kernels": {name: os.environ.get(name, "") for name in ISA_VARIABLES}}
+
+
+def stage_key_parts(fixture_path: Path, dtype: str, stage: str) -> dict:
+    """Everything the reference's values of one stage (a stage plug-in's inputs and oracle,
+    harness.sides.implementations.reference_stage_values) follow from: key_parts' without the
+    teacher and the loss variants, which no stage reads."""
+    parts = key_parts(fixture_path, dtype, "", ())
+    del parts["teacher"], parts["variants"]
+    return {**parts, "reference_stage": stage}
 
 
 def key(parts: dict) -> str:

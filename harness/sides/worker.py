@@ -148,6 +148,10 @@ def _setup(init: dict) -> None:
     jax.config.update("jax_default_matmul_precision", init.get("precision", "highest"))
     if "cache_root" in init:  # csa-parity run's choice (None: no persistent cache); else the environment's
         timing.use_caches(init["cache_root"])
+    elif init.get("reference_cache"):  # a worker outside csa-parity run (_local_init)
+        from . import reference_cache
+
+        reference_cache.use(init["reference_cache"])
     timing.listen()
     # The point task's module is imported here, not inside the first point, so that a time limit
     # measures implementations. torch is not: a point whose reference is cached or read from the
@@ -358,9 +362,11 @@ class _Worker:
         self.over = None  # the memory limit it was killed over, None if it was not
 
     def begin_point(self) -> None:
-        """Its point starts: the peak is measured from here."""
+        """Its point starts: the peak is measured from here, its resident size now the first
+        reading (so that a worker that dies before the next reading still has a known peak)."""
         reset_peak(self.proc.pid)
         self.peak, self.oom_base = None, oom_kills()
+        self.watch(None)
 
     def watch(self, limit: int | None) -> bool:
         """Read its memory now (its peak); over `limit` bytes, kill it and return True."""
@@ -588,7 +594,11 @@ def _local_init() -> dict:
     precision = "highest"
     if "jax" in sys.modules:
         precision = sys.modules["jax"].config.jax_default_matmul_precision or "highest"
-    return {"precision": precision, "fixtures_dir": os.environ.get("CSA_PARITY_FIXTURES"), "sys_path": list(sys.path)}
+    # The reference cache only where CSA_PARITY_CACHE_DIR names one (`make test` does): the values
+    # a stage plug-in is judged on, which each worker (a replacement for a crashed one included)
+    # would otherwise import torch to compute again. Its compilation cache is the environment's.
+    return {"precision": precision, "fixtures_dir": os.environ.get("CSA_PARITY_FIXTURES"), "sys_path": list(sys.path),
+            "reference_cache": os.environ.get("CSA_PARITY_CACHE_DIR") or None}
 
 
 def _drop_local() -> None:
