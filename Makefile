@@ -55,8 +55,10 @@ parity: $(STAMP)
 # alone, both pass), the gradient checks, the training trajectories, the fixtures' regeneration
 # and --check, and the caches (here, they even out the two processes' times: with the fixtures
 # and caches in the main one, .ci/run's main process ended after 1525 s, the side one after
-# 1281 s), and the installed wheel (tests/test_installed.py: a wheel built and installed into a
-# venv outside the clone, run as a user runs it); then the sharded slice (8 simulated devices, set before JAX
+# 1281 s), the installed wheel (tests/test_installed.py: a wheel built and installed into a
+# venv outside the clone, run as a user runs it), the long sample's last block, and the quantizer's
+# tests (tests/test_quant.py, ~100 s: moved here when the side's own tests got cheaper, main
+# 1426 s and side 1350 s before); then the sharded slice (8 simulated devices, set before JAX
 # starts), all on the same sample as the main process; then the two-process slice (the
 # sequence-sharded points across two processes of 4 devices each, harness.run.multihost).
 # The side process ended before the main one in every measured run (by 50 to 280 s: on a
@@ -73,7 +75,7 @@ SAMPLE ?= ci
 XDIST ?= 0
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
 	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_training.py tests/test_fixtures.py \
-	tests/test_caches.py tests/test_installed.py tests/test_long_sample.py
+	tests/test_caches.py tests/test_installed.py tests/test_long_sample.py tests/test_quant.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
@@ -87,7 +89,7 @@ test: $(STAMP)
 		$(foreach f,$(SIDE_TESTS),--ignore=$(f)); main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, gradient checks, training, fixtures, caches, sharded and two-process slices (run beside the tests above)"; \
+	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, gradient checks, training, fixtures, caches, the installed wheel, the long block, the quantizer, sharded and two-process slices (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
