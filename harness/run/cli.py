@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="time limit of one point (its implementation, reference and judging); a point "
                           "past it is an error and its worker is killed (default: CSA_PARITY_TIMEOUT or "
-                          "600, over 40x the slowest point of the default matrix on a 2-core machine)")
+                          "600, over 40x the slowest point of the default matrix on a 2-core machine; "
+                          "--sample long: of one long case, default 4 hours)")
     run.add_argument("--max-memory", metavar="SIZE",
                      help="resident memory one worker may hold (8GiB, 512MiB, bytes); a worker over it is killed "
                           "and its point is an error that says its peak (default: no limit; a worker the kernel's "
