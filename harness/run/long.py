@@ -207,7 +207,7 @@ def run(args) -> int:
     runs out of memory, over `--max-memory` or killed by the kernel, or past `--timeout` is an error
     at its points, with its peak; the run goes on), print the matrix's table and lines, write the
     reports."""
-    from ..sides.worker import WorkerCrash, call_in_worker, first_line, gib, parse_size
+    from ..sides.worker import WorkerCrash, call_in_worker, first_line, parse_size
     from .report import (attach_reruns, failure_lines, format_table, headroom_table, status_line, summarise, table,
                          write_reports)
     from .tasks import error_records
@@ -233,11 +233,8 @@ def run(args) -> int:
                                                  f"long case {name}", limit_s, max_memory)
             stages[name] = {**{k: round(v, 1) for k, v in clock.items()}, "wall_s": round(time.time() - started, 1),
                             "peak_rss_gib": None if peak is None else round(peak / 2**30, 2)}
-        except WorkerCrash as exc:
-            recs = error_records(case_entries(name, dtypes, args.modes), str(exc))
-            stages[name] = {"wall_s": round(time.time() - started, 1), "error": str(exc)}
-        except Exception as exc:  # the harness raised in the worker: the case's error, the run goes on
-            line = f"the harness raised at long case {name}: {first_line(exc)}"
+        except Exception as exc:  # its worker died, or the harness raised in it: the case's error, the run goes on
+            line = str(exc) if isinstance(exc, WorkerCrash) else f"the harness raised at long case {name}: {first_line(exc)}"
             recs = error_records(case_entries(name, dtypes, args.modes), line)
             stages[name] = {"wall_s": round(time.time() - started, 1), "error": line}
         records += recs
@@ -261,7 +258,7 @@ def run(args) -> int:
         if "error" in s:
             print(f"{name}: ERROR after {s['wall_s']:.1f} s: {s['error']}")
             continue
-        peak = "unknown" if s["peak_rss_gib"] is None else gib(s["peak_rss_gib"] * 2**30)
+        peak = "unknown" if s["peak_rss_gib"] is None else f"{s['peak_rss_gib']:.2f} GiB"
         print(f"{name}: jax {s.get('jax', 0):.1f} s, oracle {s.get('oracle', 0):.1f} s, judge {s.get('judge', 0):.1f} s, "
               f"wall {s['wall_s']:.1f} s, peak RSS {peak} (its worker)")
     for line in failure_lines(records)[:20]:
