@@ -94,7 +94,7 @@ test: $(STAMP)
 	test $$main = 0 && test $$rc = 0
 
 # The jax 0.12 leg (Python 3.12, no torch): the matrix's ci sample in float64 (the exact64
-# checks, which any change of semantics in the newer XLA fails), 24 of its 73 programs, judged
+# checks, which any change of semantics in the newer XLA fails), 33 of its 111 programs, judged
 # against the fixture goldens; then the tests whose subject is JAX's API: input validation and
 # checkify, the layering, compiled memory, platforms, the layer under jit / grad / vmap /
 # shard_map and NNX, the Pallas kernels, and the JAX-only CLI run. For .ci/run's 25 minutes the
