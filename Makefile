@@ -56,15 +56,13 @@ parity: $(STAMP)
 # and --check, and the caches (here, they even out the two processes' times: with the fixtures
 # and caches in the main one, .ci/run's main process ended after 1525 s, the side one after
 # 1281 s), the installed wheel (tests/test_installed.py: a wheel built and installed into a
-# venv outside the clone, run as a user runs it), the long sample's last block, and the quantizer's
-# tests (tests/test_quant.py, ~100 s: moved here when the side's own tests got cheaper, main
-# 1426 s and side 1350 s before); then the sharded slice (8 simulated devices, set before JAX
-# starts), all on the same sample as the main process; then the two-process slice (the
-# sequence-sharded points across two processes of 4 devices each, harness.run.multihost).
-# The side process ended before the main one in every measured run (by 50 to 280 s: on a
-# 2-core AMD EPYC without AVX512, main 1593 s, side 1316 s), and the two-process slice, run
-# after the main process, then had the machine to itself while the side's core had sat idle:
-# it ends the side chain instead, beside the main process's last tests.
+# venv outside the clone, run as a user runs it), and the quantizer's tests (tests/test_quant.py,
+# ~90 s); then the sharded slice (8 simulated devices, set before JAX starts), all on the same
+# sample as the main process; then the two-process slice (the sequence-sharded points across two
+# processes of 4 devices each, harness.run.multihost), which ends the side chain beside the main
+# process's last tests. The long sample's last block (tests/test_long_sample.py, ~30 s) runs in the
+# main process: with it here, .ci/run's side process ended after 1163 s and the main one after
+# 1071 s (2-core AMD EPYC, its AVX512 flags hidden).
 # The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
 # one's time). The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
@@ -75,7 +73,7 @@ SAMPLE ?= ci
 XDIST ?= 0
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
 	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_training.py tests/test_fixtures.py \
-	tests/test_caches.py tests/test_installed.py tests/test_long_sample.py tests/test_quant.py
+	tests/test_caches.py tests/test_installed.py tests/test_quant.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
@@ -89,7 +87,7 @@ test: $(STAMP)
 		$(foreach f,$(SIDE_TESTS),--ignore=$(f)); main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, gradient checks, training, fixtures, caches, the installed wheel, the long block, the quantizer, sharded and two-process slices (run beside the tests above)"; \
+	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, gradient checks, training, fixtures, caches, the installed wheel, the quantizer, sharded and two-process slices (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 

@@ -376,7 +376,7 @@ def _long(**over: Any) -> dict[str, Any]:
 LONG_S = 131072
 # long_deep_documents' layout: 24 documents of 4096 tokens, one of 1699 (so the next starts deep, at
 # 100003, inside block 25000), 7 of 4096, one of 825 and the last of 1572 from 129500, inside the
-# last query block of 3000 rows (129000 .. 131071).
+# last query block of 1900 rows (129200 .. 131071).
 _DEEP = (4096,) * 24 + (1699,) + (4096,) * 7 + (825, 1572)
 # long_ties_k2048's: 56 documents of 2048 tokens (512 blocks, fewer than k = 2048) and one of 16384
 # (4096 blocks) at the end.
@@ -386,8 +386,8 @@ _LONG = (
          position_offset=69968,
          exercises="B*S*W = 131072 * 32768 = 4.3e9 score entries (past 2^31: a row * W offset in int32 "
                    "overflows); a document starting deep, at token 100003 (inside block 25000, which "
-                   "straddles it), and one at 129500, inside the last query block of 3000 rows (r does not "
-                   "divide S: blocks start at multiples of 3000, the last one at 129000 is short); the last "
+                   "straddles it), and one at 129500, inside the last query block of 1900 rows (r does not "
+                   "divide S: blocks start at multiples of 1900, the last one at 129200 is short); the last "
                    "two documents have 206 and 393 blocks, fewer than k = 512, so rows at the end of the "
                    "sequence keep -1 picks; every document's positions run from 69968 (past 2^16 and "
                    "YaRN's 65536) for up to 4096 tokens; 131072 valid rows and up to 1023 blocks a row "

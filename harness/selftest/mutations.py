@@ -691,11 +691,11 @@ CATALOGUE: tuple[Mutant, ...] = (
 # fixtures) and fails the long case's query block (`long_blocks`, judged live against torch's
 # row-block reference). `python -m harness.selftest.mutations --length` runs each both ways and
 # prints both outcomes.
-LONG_LAST_BLOCK = "long_deep_documents:43"  # rows 129000 .. 131071: row * W offsets past 2^31
-# rows 126000 .. 128999: 2048 of them, late in a 4096-token document, see more blocks than k = 512
+LONG_LAST_BLOCK = "long_deep_documents:68"  # rows 129200 .. 131071: row * W offsets past 2^31
+# rows 127300 .. 129199: 1375 of them, late in a 4096-token document, see more blocks than k = 512
 # (up to 1024: in the last block every row sees fewer than k, so every valid block is picked whatever
 # the ranking), then a document starts at 128675.
-LONG_RANKED_BLOCK = "long_deep_documents:42"
+LONG_RANKED_BLOCK = "long_deep_documents:67"
 LENGTH_CATALOGUE: tuple[Mutant, ...] = (
     Mutant(
         "pick_ids_in_bfloat16", "scoring", "scoring.py",
