@@ -149,25 +149,46 @@ def indexer_forward(params, inputs, cfg: CSAConfig, dtype: str, codes=None):
     return _forward_jit(wide_params, {**float_inputs, **int_inputs}, cfg, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "cfg", "dtype_name"))
-def _forward_rows_jit(params, inputs, start, rows, cfg, dtype_name):
-    return query_blocks.forward_rows(params, inputs, start, rows, cfg, dtype_name)
+# indexer_forward_rows scores a block of rows against a prefix of the blocks: those whose tokens
+# end by the block's last row (the only ones a row can see where positions grow with the index),
+# rounded up to a multiple of W / PREFIX_BUCKETS blocks and of at least PREFIX_MIN_BLOCKS, so that
+# the blocks of rows of one long sequence share at most PREFIX_BUCKETS programs and a short
+# sequence (W <= PREFIX_MIN_BLOCKS) only the whole-width one. Over every row of a sequence this
+# scores about (1 + 1/PREFIX_BUCKETS) / 2 of the [S, W] entries the whole width does.
+PREFIX_BUCKETS, PREFIX_MIN_BLOCKS = 16, 1024
+
+
+def prefix_blocks(seq_len: int, end: int, cfg: CSAConfig) -> int:
+    """The blocks `indexer_forward_rows` scores the rows before `end` against (W: every one)."""
+    w, m = cfg.num_blocks(seq_len), cfg.compress_ratio
+    grain = max(-(-w // PREFIX_BUCKETS), PREFIX_MIN_BLOCKS)
+    need = -(-end // m)
+    return min(w, -(-need // grain) * grain)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "cfg", "dtype_name", "prefix"))
+def _forward_rows_jit(params, inputs, start, rows, cfg, dtype_name, prefix):
+    return query_blocks.forward_rows(params, inputs, start, rows, cfg, dtype_name, prefix)
 
 
 def indexer_forward_rows(params, inputs, cfg: CSAConfig, dtype: str, start: int, rows: int):
     """(index_scores [B, n, W] (wide, -inf invalid), topk_indices [B, n, k_eff]) of the query rows
     start .. start + n - 1, n = min(rows, S - start): a block of `indexer_forward`'s rows, for a
     problem whose [B, S, W] scores are too large to hold (the keys are computed for the whole
-    sequence on every call). One program per (config, dtype, shapes, rows); `start` is traced.
-    Unquantized problems."""
+    sequence on every call). The rows are scored against the causal prefix of the blocks
+    (`prefix_blocks`), after the program has checked that no later block is visible to them
+    (query_blocks.forward_rows); otherwise against every block. One program per (config, dtype,
+    shapes, rows, prefix); `start` is traced. Unquantized problems."""
     if cfg.index_quant is not None:
         raise ValueError("indexer_forward_rows scores unquantized problems (index_quant=None)")
     wide_params, float_inputs, int_inputs, _ = prepare_arguments(params, inputs, cfg, dtype, teacher=False)
     seq_len = int(int_inputs["position_ids"].shape[1])
     if not (0 <= start < seq_len and rows >= 1):
         raise ValueError(f"start={start}, rows={rows}: need 0 <= start < S={seq_len} and rows >= 1")
-    scores, topk = _forward_rows_jit(wide_params, {**float_inputs, **int_inputs}, jnp.int32(start), rows, cfg, dtype)
     n = min(rows, seq_len - start)
+    prefix = prefix_blocks(seq_len, start + n, cfg)
+    scores, topk = _forward_rows_jit(wide_params, {**float_inputs, **int_inputs}, jnp.int32(start), rows, cfg, dtype,
+                                     prefix)
     return scores[:, :n], topk[:, :n]
 
 

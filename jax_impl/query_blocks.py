@@ -175,16 +175,43 @@ def forward(params, inputs, cfg, dtype_name):
             **codes_dict(query_codes, key_codes)}
 
 
-def forward_rows(params, inputs, start, rows: int, cfg, dtype_name):
+def forward_rows(params, inputs, start, rows: int, cfg, dtype_name, prefix_blocks: int | None = None):
     """(masked scores [B, rows, W] wide, top-k [B, rows, k_eff]) of the rows start .. start + rows - 1
-    only, the keys computed for the whole sequence: what `forward` gives for those rows, without
-    the other rows' [B, S, W]. Query blocks of `cfg.query_chunk` rows counted from `start` (0: the
-    rows in one block). Rows past S repeat row S - 1 (a clamped gather): the caller cuts them."""
-    _, keys_wide, blocks, _ = _setup(params, inputs, cfg, dtype_name)
+    only: what `forward` gives for those rows, without the other rows' [B, S, W]. Query blocks of
+    `cfg.query_chunk` rows counted from `start` (0: the rows in one block). Rows past S repeat row
+    S - 1 (a clamped gather): the caller cuts them.
+
+    `prefix_blocks` (static, < W): the rows are scored against the first `prefix_blocks` blocks
+    only, their keys computed from those blocks' tokens only (a block's key reads its own and the
+    previous block's tokens), when the program finds that none of the later blocks is visible to
+    any of the rows (one reduction over their validity); the later blocks' scores are then -inf
+    and the picks are padded with -1, which is what the whole width gives for blocks no row sees.
+    Where a later block is visible (positions that do not grow with the index), the keys of the
+    whole sequence are computed and every block is scored. The caller picks the prefix
+    (jax_impl.api.indexer_forward_rows: the causal prefix of the rows), so a row block late in a
+    long sequence costs what its rows can see."""
     idx = start + jnp.arange(rows)
     row_inputs = {n: _take_rows(inputs[n], idx) for n in ("hidden_states", "q_latent", "position_ids", "segment_ids")}
     r = block_rows(cfg, rows) if cfg.query_chunk else rows
-    return rows_forward(params, keys_wide, blocks, row_inputs, cfg, dtype_name, r)
+    seq_len = inputs["position_ids"].shape[1]
+    w = cfg.num_blocks(seq_len)
+
+    def scored(tokens):
+        _, keys_wide, blocks, _ = _setup(params, {n: a[:, :tokens] for n, a in inputs.items()}, cfg, dtype_name)
+        return rows_forward(params, keys_wide, blocks, row_inputs, cfg, dtype_name, r)
+
+    if prefix_blocks is None or not 0 < prefix_blocks < w:
+        return scored(seq_len)
+    k_eff = min(cfg.index_topk, w)
+
+    def prefix(_):
+        scores, picks = scored(prefix_blocks * cfg.compress_ratio)
+        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, w - prefix_blocks)), constant_values=-jnp.inf)
+        return scores, jnp.pad(picks, ((0, 0), (0, 0), (0, k_eff - picks.shape[-1])), constant_values=-1)
+
+    later = tuple(a[:, prefix_blocks:] for a in key_blocks(inputs["position_ids"], inputs["segment_ids"], cfg, seq_len))
+    seen = jnp.any(rows_validity(row_inputs["position_ids"], row_inputs["segment_ids"], later, cfg.compress_ratio))
+    return jax.lax.cond(seen, lambda _: scored(seq_len), prefix, None)
 
 
 def rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, r: int, shard=ONE_DEVICE, with_codes=False):

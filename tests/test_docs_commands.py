@@ -122,6 +122,8 @@ HOW = {
     "python -m harness.selftest.mutations --dtype float32": HELP,
     "python -m harness.selftest.mutations --length": HELP,
     "csa-parity run --sample long": HELP,
+    "csa-parity run --sample million": HELP,
+    "python -m benchmarks.forward_rows": HELP,
     "python scripts/measure_platform_profile.py --write --no-cache": HELP,
     "python -m harness.run.multihost --judge /shared/mh": HELP,
     "python -m harness.run.multihost --judge /tmp/mh": HELP,

@@ -60,7 +60,7 @@ assert tuple(_VERDICT) == STATUSES
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    check: str  # oracle | exact64 | chunk | oracle@sel | exact64@sel | chunk@sel | topk | chunk-topk | isolation
+    check: str  # oracle | exact64 | chunk | oracle@sel | exact64@sel | chunk@sel | topk | chunk-topk | isolation | invariants
     quantity: str
     status: str  # harness.outputs.STATUSES
     error: float = 0.0  # the normalised error (topk: unexcused differing picks; isolation: largest |g|)
@@ -71,7 +71,7 @@ class CheckResult:
     note: str = ""  # extra facts: excused ties, the torch-at-dtype error, the reason of a status
     context: str = ""  # the matrix point, e.g. "small float32 ichunk=2 tchunk=0 sparse"
     stats: dict = dataclasses.field(default_factory=dict)
-    template: str = "close"  # close | pattern | topk | isolation | codes | status: which message
+    template: str = "close"  # close | pattern | topk | isolation | codes | invariants | status: which message
 
     def __post_init__(self) -> None:
         if self.status not in _VERDICT:
@@ -129,6 +129,12 @@ class CheckResult:
             return f"all {self.total} input-gradient elements exactly 0"
         return (f"{self.mismatched} of {self.total} input-gradient elements are not exactly 0; largest "
                 f"|{self.error:.3g}| at index {self.where} ({self.note})")
+
+    def _body_invariants(self) -> str:
+        if not self.mismatched:
+            return self.note
+        return (f"{self.mismatched} of {self.total} rows break the invariants of their picks; first at (b, s) = "
+                f"{self.where}: {self.note}")
 
     def _body_status(self) -> str:
         return self.note

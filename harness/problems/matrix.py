@@ -8,14 +8,18 @@ Four samples (`sample=`, `csa-parity run --sample`, CSA_PARITY_SAMPLE for pytest
 (`csa-parity run`, `make parity`), `ci` (what `make test` runs: a subset of the default),
 `full` (the whole chunk cross product) and `tpu` (what one TPU chip runs inside one 10-minute
 command: every case, the three dtypes a TPU computes, every chunk axis, both teachers). Which points each holds and why is docs/matrix.md;
-their sizes are `csa-parity run --list [--sample S]` and docs/FIGURES.md.
+their sizes are `csa-parity run --list [--sample S]` and docs/FIGURES.md. The long cases
+(`long`, S = 131072) and the million-token case (`million`, its rows sampled) are judged by
+harness.run.long, a block of rows at a time, from their points here (`long_points`).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..outputs import LOSS_QUANTITIES, MODES, forward_quantities
 from ..points import DTYPES, Entry, Point
-from .cases import CASES, LONG_CASES, TEACHERS, get_case
+from .cases import CASES, LONG_CASES, MILLION_CASES, TEACHERS, get_case
 
 TEACHER_CHUNK_DTYPES = ("float32", "float64")
 QUERY_CHUNK_DTYPES = ("float32", "bfloat16", "float64")
@@ -35,10 +39,43 @@ LONG_QUERY_BLOCKS = {"long_deep_documents": 1900, "long_ties_k2048": 1024}
 assert set(LONG_QUERY_BLOCKS) == set(LONG_CASES)
 
 
-def long_points(case: str, dtype: str) -> tuple[Point, Point]:
-    """(the chunked point, its native point at length) of a long case at `dtype`."""
+# The million sample (SPEC section 11, sampled rows; harness.run.long): each million-token case at
+# bfloat16, the dtype long-context training runs in, at its chunked point only (head chunks of 1,
+# query blocks of r), the one a long-context user runs: its native point scores all heads of a row
+# block at once, 30 against 12 ns a score entry at S = 2^20 (bfloat16, 256 rows; docs/matrix.md).
+# r = 1000 does not divide S. The oracle judges MILLION_RANDOM_ROWS seeded rows besides the first,
+# the last and both sides of every document and query-block boundary (`sampled_rows`).
+MILLION_SAMPLE = "million"
+MILLION_DTYPES = ("bfloat16",)
+MILLION_QUERY_BLOCKS = {"million_documents": 1000}
+MILLION_RANDOM_ROWS = 1024
+assert set(MILLION_QUERY_BLOCKS) == set(MILLION_CASES)
+
+
+def long_points(case: str, dtype: str) -> tuple[Point, ...]:
+    """The points of a long case at `dtype`: (the chunked point, its native point at length); of a
+    million-token case, (the chunked point,)."""
+    if case in MILLION_CASES:
+        return (Point(case, dtype, 1, 1, MILLION_QUERY_BLOCKS[case]),)
     r = LONG_QUERY_BLOCKS[case]
     return Point(case, dtype, 1, 1, r), Point(case, dtype, 0, 0, r)
+
+
+def sampled_rows(case, r: int, random_rows: int = MILLION_RANDOM_ROWS) -> np.ndarray:
+    """The rows the oracle judges where it cannot afford every one (SPEC section 11), sorted, of
+    row 0 of the batch's layout: the first and the last, both sides of every document boundary of
+    every batch row and of every query-block boundary (multiples of `r`), and `random_rows` rows
+    drawn from the case's seed."""
+    S = case.seq_len
+    rows = {0, S - 1}
+    for lengths in (case.documents or ((S,),) * case.batch):
+        for edge in np.cumsum(lengths)[:-1]:
+            rows |= {int(edge) - 1, int(edge)}
+    for edge in range(r, S, r):
+        rows |= {edge - 1, edge}
+    rng = np.random.default_rng(case.seed)
+    rows |= set(int(i) for i in rng.choice(S, size=min(random_rows, S), replace=False))
+    return np.array(sorted(rows), np.int64)
 
 
 def divisors(n: int) -> list[int]:

@@ -31,7 +31,7 @@ def _csv(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..problems.matrix import LONG_SAMPLE, SAMPLES
+    from ..problems.matrix import LONG_SAMPLE, MILLION_SAMPLE, SAMPLES
     from . import regenerate
 
     p = argparse.ArgumentParser(prog="csa-parity", description=__doc__.splitlines()[0])
@@ -49,10 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backends", type=_csv(str), default=["xla"],
                      help="xla,pallas: jax_impl's scoring backends (default: xla; pallas runs its own sample "
                           "of points, harness/problems/matrix.py; off TPU the Pallas kernels run in interpret mode)")
-    run.add_argument("--sample", default="default", choices=[*SAMPLES, LONG_SAMPLE],
+    run.add_argument("--sample", default="default", choices=[*SAMPLES, LONG_SAMPLE, MILLION_SAMPLE],
                      help="which chunk points the matrix samples (harness/problems/matrix.py): default, ci (the "
                      "subset `make test` runs) or full (the whole chunk cross product, slow); long: the long "
-                     "cases (S = 131072), judged a block of rows at a time (docs/matrix.md)")
+                     "cases (S = 131072), judged a block of rows at a time; million: S = 1048576, its rows sampled "
+                     "(docs/matrix.md)")
     run.add_argument("--full", action="store_true", help="the same as --sample full")
     run.add_argument("--impl", default="jax",
                      help="'jax' or a plug-in 'package.module[:factory]', imported from the current directory "
@@ -354,13 +355,13 @@ def selection_lines(entries, sample: str) -> list[str]:
 
 
 def run(args) -> int:
-    from ..problems.matrix import build_matrix
+    from ..problems.matrix import LONG_SAMPLE, MILLION_SAMPLE, build_matrix
     from ..sides import worker
     from ..sides.timing import cache_root
     from .tasks import TASK
 
     began = time.time()
-    if args.sample == "long":  # the long cases (harness.problems.matrix.LONG_SAMPLE): judged a block of rows at a time, in this process
+    if args.sample in (LONG_SAMPLE, MILLION_SAMPLE):  # judged a block of rows at a time (harness.run.long)
         from .long import run as run_long
 
         return run_long(args)

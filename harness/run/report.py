@@ -80,10 +80,11 @@ def rerun_command(point: Point, mode: str | None = None, impl: str = "jax", refe
     if point.mesh is not None:
         prefix = Entry(point, mode or "", "").id.rstrip("-")
         return f"python -m pytest tests/sharded -n 0 -m sharded -k {shlex.quote(prefix)}"
-    from ..problems.cases import LONG_CASES
+    from ..problems.cases import LONG_CASES, MILLION_CASES
 
-    if point.case in LONG_CASES:  # the long sample judges a case's points together (harness.run.long)
-        words = ["csa-parity", "run", "--sample", "long", "--cases", point.case, "--dtypes", point.dtype]
+    if point.case in LONG_CASES or point.case in MILLION_CASES:  # a case's points judged together (harness.run.long)
+        sample = "long" if point.case in LONG_CASES else "million"
+        words = ["csa-parity", "run", "--sample", sample, "--cases", point.case, "--dtypes", point.dtype]
         return " ".join(shlex.quote(w) for w in words + (["--modes", mode] if mode else []))
     words = ["csa-parity", "run", "--cases", point.case, "--dtypes", point.dtype, "--ichunks", str(point.ichunk),
              "--tchunks", str(point.tchunk), "--qchunks", str(point.qchunk)]
