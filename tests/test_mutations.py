@@ -40,7 +40,7 @@ from harness.selftest.mutations import (CATALOGUE, LENGTH_CATALOGUE, STAGES, Mut
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = {"exact64", "exact64@sel", "oracle", "oracle@sel", "chunk", "chunk@sel", "topk",
-               "chunk-topk", "isolation", "memory", "kernel"}
+               "chunk-topk", "isolation", "memory", "kernel", "invariants"}
 
 
 @pytest.fixture(scope="session")

@@ -701,7 +701,7 @@ LENGTH_CATALOGUE: tuple[Mutant, ...] = (
         "pick_ids_in_bfloat16", "scoring", "scoring.py",
         "    return jnp.where(picked_valid, idx, -1).astype(jnp.int32)\n",
         "    return jnp.where(picked_valid, idx, -1).astype(jnp.bfloat16).astype(jnp.int32)\n",
-        ("topk", "chunk-topk"), (TINY64, PACKED64, SMALL_BF16_ICHUNK),
+        ("topk", "chunk-topk", "invariants"), (TINY64, PACKED64, SMALL_BF16_ICHUNK),
         "the picked block ids pass through bfloat16 (a count or an index in a narrow float): exact up to 256, "
         "so every toy problem (W <= 16) is untouched; past 256 blocks ids round to the nearest multiple of "
         "2, 4, ..., 128 and rows pick blocks they never scored",
@@ -710,7 +710,7 @@ LENGTH_CATALOGUE: tuple[Mutant, ...] = (
         "valid_count_in_bfloat16", "scoring", "scoring.py",
         "    picked_valid = jnp.take_along_axis(valid, idx, axis=-1)\n",
         "    picked_valid = jnp.arange(k_eff) < jnp.sum(valid, axis=-1, dtype=jnp.bfloat16)[..., None]\n",
-        ("topk", "chunk-topk"), (TINY64, PACKED64, SMALL_BF16_ICHUNK),
+        ("topk", "chunk-topk", "invariants"), (TINY64, PACKED64, SMALL_BF16_ICHUNK),
         "a pick is -1 where its rank is not below the row's count of valid blocks (a sound rule: -inf sorts "
         "last), the count summed as bfloat16 (the mask in the activations' dtype of a bfloat16 deployment; "
         "the rank is promoted with it): exact up to 256, so no toy row (at most 16 blocks) is touched; a row "
