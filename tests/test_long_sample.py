@@ -68,9 +68,9 @@ def test_the_long_samples_refuse_what_they_do_not_judge(sample, argv, words, cap
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("prefixes", ["whole", "grain 1"])
-@pytest.mark.parametrize("case, rows, positions", [("packed", 20, "ids"), ("ragged", 7, "ids"),
-                                                   ("small", 5, "reversed")])
+@pytest.mark.parametrize("case, rows, positions, prefixes", [
+    ("packed", 20, "ids", "whole"), ("ragged", 7, "ids", "whole"), ("packed", 20, "ids", "grain 4"),
+    ("small", 5, "reversed", "grain 4")])
 def test_a_block_of_rows_is_those_rows_of_the_whole_forward(case, rows, positions, prefixes, monkeypatch):
     """`indexer_forward_rows`, the long sample's candidate, on toy problems against the whole
     forward's rows: every block of `rows` rows from 0, so the last one is short (r does not divide
@@ -79,10 +79,10 @@ def test_a_block_of_rows_is_those_rows_of_the_whole_forward(case, rows, position
     block or its document bookkeeping shows in seconds. Bit-identical in float64 (the same
     programs' arithmetic on the same rows).
 
-    `grain 1`: the causal prefix a block of rows is scored against (api.prefix_blocks) rounded to
-    a block, not to W / 16 of at least 1024 blocks, so that toy rows take the prefix path (a
-    toy's W is one bucket); `reversed`: positions that fall with the index, so later blocks are
-    visible to early rows and the program must score the whole width."""
+    `grain 4`: the causal prefix a block of rows is scored against (api.prefix_blocks) rounded to
+    4 blocks, not to W / 16 of at least 1024, so that toy rows take the prefix path (a toy's W is
+    one bucket of the default grain); `reversed`: positions that fall with the index, so later
+    blocks are visible to early rows and the program must score the whole width."""
     import numpy as np
 
     from harness.points import Point
@@ -90,8 +90,8 @@ def test_a_block_of_rows_is_those_rows_of_the_whole_forward(case, rows, position
     from harness.sides.long_sides import jax_config
     from jax_impl import api
 
-    if prefixes == "grain 1":
-        monkeypatch.setattr(api, "PREFIX_MIN_BLOCKS", 1)
+    if prefixes == "grain 4":
+        monkeypatch.setattr(api, "PREFIX_MIN_BLOCKS", 4)
         monkeypatch.setattr(api, "PREFIX_BUCKETS", 10 ** 6)
     c = CASES[case]
     inputs, params = make_inputs(c)
@@ -240,26 +240,26 @@ def test_the_invariants_of_the_picks_catch_each_kind_of_wrong_pick():
 @pytest.mark.torch
 def test_the_million_sample_judges_sampled_rows_and_every_rows_picks():
     """The million sample's path (`judge_case` with `rows`) on a copy of million_documents shortened to
-    S = 8192 (its documents halved in count, the last of 400 tokens inside the last query block):
-    the candidate walks every row (the invariants over 8192 rows), the oracle judges the sampled rows
-    only, the forward entries pass, the loss entries are not applicable and say why. A few seconds."""
+    S = 4096 (five documents, the last of 400 tokens inside the last query block): the candidate
+    walks every row (the invariants over 4096 rows), the oracle judges the sampled rows only, the
+    forward entries pass, the loss entries are not applicable and say why. A few seconds."""
     import dataclasses
 
     from harness.outputs import NOT_APPLICABLE
     from harness.problems.cases import MILLION_CASES
     from harness.problems.matrix import sampled_rows
 
-    short = dataclasses.replace(MILLION_CASES["million_documents"], seq_len=8192,
-                                documents=((4096, 2048, 1024, 300, 324, 400),))
+    short = dataclasses.replace(MILLION_CASES["million_documents"], seq_len=4096,
+                                documents=((2048, 1024, 300, 324, 400),))
     rows = sampled_rows(short, 1000, 64)
     results, stages = long.judge_case("million_documents", ("bfloat16",), case=short, rows=rows, log=lambda line: None)
     assert not [r.message for _, r in results if r.failed]
-    assert stages["rows_walked"] == 8192 and stages["rows_oracle"] == len(rows) < 8192
+    assert stages["rows_walked"] == 4096 and stages["rows_oracle"] == len(rows) < 4096
     by = {(e.quantity, r.check): r for e, r in results if e.mode == "forward"}
-    assert by[("topk_indices", "invariants")].total == 8192
+    assert by[("topk_indices", "invariants")].total == 4096
     assert by[("topk_indices", "topk")].total == len(rows)
     assert by[("index_scores", "oracle")].total == len(rows) * short.num_blocks
     assert not any(r.check.startswith("chunk") for r in by.values())  # no native point at a million
     losses = [r for e, r in results if e.mode != "forward"]
-    assert losses and all(r.status == NOT_APPLICABLE and "every row" in r.note and f"{len(rows)} of the 8192 rows"
+    assert losses and all(r.status == NOT_APPLICABLE and "every row" in r.note and f"{len(rows)} of the 4096 rows"
                           in r.note for r in losses)
