@@ -174,10 +174,10 @@ def _forward_rows_jit(params, inputs, start, rows, cfg, dtype_name, prefix):
 def indexer_forward_rows(params, inputs, cfg: CSAConfig, dtype: str, start: int, rows: int):
     """(index_scores [B, n, W] (wide, -inf invalid), topk_indices [B, n, k_eff]) of the query rows
     start .. start + n - 1, n = min(rows, S - start): a block of `indexer_forward`'s rows, for a
-    problem whose [B, S, W] scores are too large to hold (the keys are computed for the whole
-    sequence on every call). The rows are scored against the causal prefix of the blocks
-    (`prefix_blocks`), after the program has checked that no later block is visible to them
-    (query_blocks.forward_rows); otherwise against every block. One program per (config, dtype,
+    problem whose [B, S, W] scores are too large to hold. The rows are scored against the causal
+    prefix of the blocks (`prefix_blocks`), their keys computed from the prefix's tokens on every
+    call, after the program has checked that no later block is visible to them
+    (query_blocks.forward_rows); otherwise against every block, the keys of the whole sequence. One program per (config, dtype,
     shapes, rows, prefix); `start` is traced. Unquantized problems."""
     if cfg.index_quant is not None:
         raise ValueError("indexer_forward_rows scores unquantized problems (index_quant=None)")

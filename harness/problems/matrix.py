@@ -42,7 +42,8 @@ assert set(LONG_QUERY_BLOCKS) == set(LONG_CASES)
 # The million sample (SPEC section 11, sampled rows; harness.run.long): each million-token case at
 # bfloat16, the dtype long-context training runs in, at its chunked point only (head chunks of 1,
 # query blocks of r), the one a long-context user runs: its native point scores all heads of a row
-# block at once, 30 against 12 ns a score entry at S = 2^20 (bfloat16, 256 rows; docs/matrix.md).
+# block at once, about three times the chunked point's time a block at S = 2^20
+# (`python -m benchmarks.forward_rows`, docs/benchmarks.md).
 # r = 1000 does not divide S. The oracle judges MILLION_RANDOM_ROWS seeded rows besides the first,
 # the last and both sides of every document and query-block boundary (`sampled_rows`).
 MILLION_SAMPLE = "million"
@@ -62,10 +63,10 @@ def long_points(case: str, dtype: str) -> tuple[Point, ...]:
 
 
 def sampled_rows(case, r: int, random_rows: int = MILLION_RANDOM_ROWS) -> np.ndarray:
-    """The rows the oracle judges where it cannot afford every one (SPEC section 11), sorted, of
-    row 0 of the batch's layout: the first and the last, both sides of every document boundary of
-    every batch row and of every query-block boundary (multiples of `r`), and `random_rows` rows
-    drawn from the case's seed."""
+    """The rows the oracle judges where it cannot afford every one (SPEC section 11): sorted indices
+    along S, judged in every batch row. The first and the last, both sides of every document
+    boundary (of any batch row) and of every query-block boundary (multiples of `r`), and
+    `random_rows` rows drawn from the case's seed."""
     S = case.seq_len
     rows = {0, S - 1}
     for lengths in (case.documents or ((S,),) * case.batch):

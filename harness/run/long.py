@@ -17,6 +17,7 @@ keys; the streamed results stand in for the checks of the scores and the picks
 (References.streamed). Records, table, reports and rerun lines are the matrix's
 (harness.run.report).
 """
+
 from __future__ import annotations
 
 import resource
