@@ -76,8 +76,8 @@ def test_a_block_of_rows_is_those_rows_of_the_whole_forward(case, rows, position
     forward's rows: every block of `rows` rows from 0, so the last one is short (r does not divide
     S), plus blocks starting off the grid, inside a document and on a block edge. The long sample
     judges this function only past S = 131072; here a mistake in its start offset, its short last
-    block or its document bookkeeping shows in seconds. Bit-identical in float64 (the same
-    programs' arithmetic on the same rows).
+    block or its document bookkeeping shows in seconds. At the whole width, bit-identical in float64
+    (the same programs' arithmetic on the same rows); on the prefix path, to 1e-13 (below).
 
     `grain 4`: the causal prefix a block of rows is scored against (api.prefix_blocks) rounded to
     4 blocks, not to W / 16 of at least 1024, so that toy rows take the prefix path (a toy's W is
