@@ -60,10 +60,10 @@ parity: $(STAMP)
 # ~90 s); then the sharded slice (8 simulated devices, set before JAX starts), all on the same
 # sample as the main process; then the two-process slice (the sequence-sharded points across two
 # processes of 4 devices each, harness.run.multihost), which ends the side chain beside the main
-# process's last tests. The long sample's last block (tests/test_long_sample.py, ~30 s) and the
-# training trajectories (tests/test_training.py, ~25 s) run in the main process: with both in the
-# side one, .ci/run's side process ended after 1163 s and the main one after 1071 s; with the long
-# block moved, after 1148 and 1106 s (2-core AMD EPYC, its AVX512 flags hidden).
+# process's last tests. The long samples' tests (tests/test_long_sample.py, ~45 s) and the
+# training trajectories (tests/test_training.py, ~25 s) run in the main process, which keeps the
+# two even: in .ci/run on a 2-core AMD EPYC with its AVX512 flags hidden, the main process ended
+# after 1239 s and the side chain (side process, sharded and two-process slices) after 1206 s.
 # The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
 # one's time). The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
