@@ -72,6 +72,22 @@ parity: $(STAMP)
 # --durations keeps where the time goes in the CI log.
 SAMPLE ?= ci
 XDIST ?= 0
+# PIN (default: on where exactly 2 CPUs are allowed, taskset exists and XDIST=0; PIN=no turns it
+# off): the main process runs on the first allowed CPU and the side process and the sharded slice
+# on the second (taskset; every process a test starts inherits its CPU), the two-process slice
+# unpinned (its processes keep deadlines). XLA sizes its compile and run threads by the CPUs a
+# process may use: two processes that each spread over both CPUs beside a third (.ci/run's Python
+# 3.12 leg) spend CPU time on threads that wait for one another. Measured on the 2-core machine,
+# the ci sample alone (`csa-parity run --sample ci --reference goldens --jobs 1`): 436 s of CPU on
+# one CPU, against 478 s spread over two beside a second such run. A process on one CPU
+# multiplies matrices in one thread: 81 of the sample's 3151 checks (flash_dims, small and packed,
+# float32 and float64) see other last bits than on two, all inside their bounds (as on any other
+# count of cores).
+ALLOWED_CPUS := $(shell python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)))' 2>/dev/null)
+PIN ?= $(if $(and $(filter 2,$(words $(ALLOWED_CPUS))),$(filter 0,$(XDIST)),$(shell command -v taskset)),yes,no)
+ON_MAIN_CPU := $(if $(filter yes,$(PIN)),taskset -c $(word 1,$(ALLOWED_CPUS)))
+ON_SIDE_CPU := $(if $(filter yes,$(PIN)),taskset -c $(word 2,$(ALLOWED_CPUS)))
+PIN_NOTE := $(if $(ON_MAIN_CPU),the main process on CPU $(word 1,$(ALLOWED_CPUS)) and the side process on CPU $(word 2,$(ALLOWED_CPUS)),every process on every allowed CPU)
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
 	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_fixtures.py \
 	tests/test_caches.py tests/test_installed.py tests/test_quant.py
@@ -79,12 +95,13 @@ test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296; \
-	{ CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest $(SIDE_TESTS) -n 0 --durations=10 && \
-	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5 && \
+	{ CSA_PARITY_SAMPLE=$(SAMPLE) $(ON_SIDE_CPU) $(BIN)/python -m pytest $(SIDE_TESTS) -n 0 --durations=10 && \
+	  CSA_PARITY_SAMPLE=$(SAMPLE) $(ON_SIDE_CPU) $(BIN)/python -m pytest tests/sharded -n 0 -m sharded --durations=5 && \
 	  CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest tests/multihost -n 0 -m multihost --durations=5; \
 	  rc=$$?; echo "=== make test: the side process ended after $$(( $$(date +%s) - t0 )) s"; exit $$rc; } \
 		>"$$side" 2>&1 & pid=$$!; \
-	CSA_PARITY_SAMPLE=$(SAMPLE) $(BIN)/python -m pytest -n $(XDIST) --durations=25 \
+	echo "=== make test: PIN=$(PIN): $(PIN_NOTE)"; \
+	CSA_PARITY_SAMPLE=$(SAMPLE) $(ON_MAIN_CPU) $(BIN)/python -m pytest -n $(XDIST) --durations=25 \
 		$(foreach f,$(SIDE_TESTS),--ignore=$(f)); main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
