@@ -60,10 +60,11 @@ parity: $(STAMP)
 # ~90 s); then the sharded slice (8 simulated devices, set before JAX starts), all on the same
 # sample as the main process; then the two-process slice (the sequence-sharded points across two
 # processes of 4 devices each, harness.run.multihost), which ends the side chain beside the main
-# process's last tests. The long samples' tests (tests/test_long_sample.py, ~45 s) and the
-# training trajectories (tests/test_training.py, ~25 s) run in the main process, which keeps the
-# two even: in .ci/run on a 2-core AMD EPYC with its AVX512 flags hidden, the main process ended
-# after 1239 s and the side chain (side process, sharded and two-process slices) after 1206 s.
+# process's last tests. The long samples' tests (tests/test_long_sample.py, ~60 s) run in the
+# main process and the training trajectories (tests/test_training.py, ~20 s) in the side one,
+# which keeps the two even: in .ci/run on a 2-core AMD EPYC with its AVX512 flags hidden, each on
+# a CPU of its own (PIN below) and the training in the main one, the main process ended after
+# 1378 s and the side chain (side process, sharded and two-process slices) after 1292 s.
 # The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
 # one's time). The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
@@ -90,7 +91,7 @@ ON_SIDE_CPU := $(if $(filter yes,$(PIN)),taskset -c $(word 2,$(ALLOWED_CPUS)))
 PIN_NOTE := $(if $(ON_MAIN_CPU),the main process on CPU $(word 1,$(ALLOWED_CPUS)) and the side process on CPU $(word 2,$(ALLOWED_CPUS)),every process on every allowed CPU)
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
 	tests/test_query_chunk.py tests/test_grad_checks.py tests/test_fixtures.py \
-	tests/test_caches.py tests/test_installed.py tests/test_quant.py
+	tests/test_caches.py tests/test_installed.py tests/test_quant.py tests/test_training.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
@@ -110,7 +111,7 @@ test: $(STAMP)
 	test $$main = 0 && test $$rc = 0
 
 # The jax 0.12 leg (Python 3.12, no torch): the matrix's ci sample in float64 (the exact64
-# checks, which any change of semantics in the newer XLA fails), 33 of its 111 programs, judged
+# checks, which any change of semantics in the newer XLA fails), 31 of its 105 programs, judged
 # against the fixture goldens; then the tests whose subject is JAX's API: input validation and
 # checkify, the layering, compiled memory, platforms, the layer under jit / grad / vmap /
 # shard_map and NNX, the Pallas kernels, and the JAX-only CLI run. For .ci/run's 25 minutes the
