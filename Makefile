@@ -64,8 +64,7 @@ parity: $(STAMP)
 # main process and the training trajectories (tests/test_training.py, ~20 s) in the side one,
 # which keeps the two about even: in .ci/run on a 2-core AMD EPYC with its AVX512 flags hidden,
 # each on a CPU of its own (PIN below), the main process ended after 1408 s and the side chain
-# (side process, sharded and two-process slices) after 1445 s (the training in the main one, on
-# a faster hour of the same machine: 1378 and 1292 s).
+# (side process, sharded and two-process slices) after 1445 s.
 # The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
 # one's time). The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process

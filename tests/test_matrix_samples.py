@@ -139,8 +139,9 @@ def test_ci_is_about_a_third_of_the_default_in_compiled_programs():
     native dtypes + the 6 joint-teacher cases in 1 + 2 more on each of the 2 sweep cases + the
     combined point on the 11 cases beyond the 6 joint-teacher ones (2 dtypes on the sweep cases)
     + 6 knob classes on each sweep case = 22 + 6 + 4 + 13 + 12 = 57, and the 4 quantized cases
-    natively in 4, 2, 4 and 2 dtypes with one combined point among them, 13: 70; default 233 (137 on the first 9 cases, + 8 x 4 x 2 on the
-    joint teacher's 7 and packed_edges, + 4 x 4 x 2 on the quantized cases). The compressed teacher:
+    natively in 4, 2, 4 and 2 dtypes with one combined point among them, 13: 70; default 233
+    (137 on the first 9 cases, + 8 x 4 x 2 on the joint teacher's 7 and packed_edges, + 4 x 4 x 2
+    on the quantized cases). The compressed teacher:
     ci native in one dtype on the 16 cases beyond the 5 whose window and sink it does not read +
     the combined point on small and teacher_gap = 18; default on all 21 cases, native in 4 +
     combined in 3 = 7 per case, 147. Entries: 19 per joint point without teacher chunk (3 forward
