@@ -143,6 +143,15 @@ LOCKFILE = "libtpu multi-process lockfile"  # and when two processes open it at 
 _held_lock = None  # the fake chip's lock file, held for this process's life
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: taskset, a container's cpuset), which is
+    what a default count of workers should follow; os.cpu_count() counts the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity call (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def may_be_one_process() -> bool:
     """Whether JAX here may open a backend whose chips one process at a time may hold (libtpu
     installed, or a TPU's /dev/accel* present, and JAX_PLATFORMS not naming other backends

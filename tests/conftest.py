@@ -92,7 +92,10 @@ from needs import TORCH_SKIP, excused  # noqa: E402
 # The matrix runs first and the tests that start processes compiling the same programs
 # (mutation workers' clean run, csa-parity runs of the CLI and workflow tests) right after it,
 # so that they load those programs from the run's compilation cache instead of compiling them.
-FIRST = ("test_parity_matrix.py", "test_mutations.py", "test_cli.py", "test_workflows.py")
+# The crash-isolation tests before the mutation self-test: `make test` runs both in its side
+# process, and their ~40 s of waiting on timed-out (sleeping) workers then fall while .ci/run's
+# Python 3.12 leg still shares that CPU, which uses them.
+FIRST = ("test_parity_matrix.py", "test_isolation.py", "test_mutations.py", "test_cli.py", "test_workflows.py")
 # Tests that run last in their process: the mutation self-test's clean run executes the very matrix
 # points `make test`'s main process judges first (its slices are points of the ci sample). Run
 # beside that matrix it compiled the same programs at the same time (105 s in .ci/run); after

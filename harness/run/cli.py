@@ -16,6 +16,8 @@ import signal
 import sys
 import time
 
+from ..platforms import usable_cpus
+
 
 def _csv(kind):
     def parse(text: str):
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "installed package's own set otherwise; CSA_PARITY_FIXTURES); the reports name the set "
                           "and its MANIFEST.json's sha256")
     run.add_argument("--out", default="reports", help="report directory (default: reports)")
-    run.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    run.add_argument("--jobs", type=int, default=usable_cpus(), help="worker processes (default: the CPUs this process may use)")
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="time limit of one point (its implementation, reference and judging); a point "
                           "past it is an error and its worker is killed (default: CSA_PARITY_TIMEOUT or "
@@ -437,7 +439,7 @@ def _run(args, sample: str, entries, init: dict, started, began: float) -> int:
             specs = sorted({p.spec() for g in ordered for p, _ in g}
                            | {p.native.spec() for g in ordered for p, _ in g if p.native is not None})
             if args.impl == "jax":
-                threads = min(12, os.cpu_count() or 1)
+                threads = min(12, usable_cpus())
                 # the time limit once per batch of programs it compiles ahead (prefetch's batches)
                 batches = -(-len(specs) // (4 * threads))
                 prefetch = ("harness.sides.implementations:prefetch", (specs, threads), timeout * batches)

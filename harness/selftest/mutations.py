@@ -50,6 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..platforms import usable_cpus
 from ..points import Point  # the one Point: a slice runs every mode and quantity at it
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -1005,7 +1006,7 @@ def retarget(catalogue, dtype: str) -> tuple[list[Mutant], list[tuple[str, str]]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.selftest.mutations", description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated mutant names (default: all)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel workers")
+    ap.add_argument("--jobs", type=int, default=usable_cpus(), help="parallel workers (default: the CPUs this process may use)")
     ap.add_argument("--no-clean", action="store_true", help="skip the clean (unmutated) run")
     ap.add_argument("--json", help="also write the outcomes to this file")
     ap.add_argument("--method", choices=["forkserver", "subprocess"], help="default: forkserver where available")
