@@ -90,7 +90,7 @@ ON_MAIN_CPU := $(if $(filter yes,$(PIN)),taskset -c $(word 1,$(ALLOWED_CPUS)))
 ON_SIDE_CPU := $(if $(filter yes,$(PIN)),taskset -c $(word 2,$(ALLOWED_CPUS)))
 PIN_NOTE := $(if $(ON_MAIN_CPU),the main process on CPU $(word 1,$(ALLOWED_CPUS)) and the side process on CPU $(word 2,$(ALLOWED_CPUS)),every process on every allowed CPU)
 SIDE_TESTS := tests/test_mutations.py tests/test_isolation.py tests/test_random_configs.py \
-	tests/test_fixtures.py tests/test_caches.py tests/test_installed.py tests/test_training.py
+	tests/test_query_chunk.py tests/test_fixtures.py tests/test_installed.py tests/test_training.py
 test: $(STAMP)
 	@side=$$(mktemp); t0=$$(date +%s); cache=$$(mktemp -d); trap 'rm -rf "$$cache" "$$side"' EXIT; \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
@@ -105,18 +105,18 @@ test: $(STAMP)
 		$(foreach f,$(SIDE_TESTS),--ignore=$(f)); main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, gradient checks, fixtures, caches, the installed wheel, the quantizer, sharded and two-process slices (run beside the tests above)"; \
+	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, fixtures, the installed wheel, training, sharded and two-process slices (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
 # The jax 0.12 leg (Python 3.12, no torch): the matrix's ci sample in float64 (the exact64
 # checks, which any change of semantics in the newer XLA fails), 31 of its 105 programs, judged
 # against the fixture goldens; then the tests whose subject is JAX's API: input validation and
-# checkify, the layering, compiled memory, platforms, the layer under jit / grad / vmap /
+# checkify, compiled memory, platforms, the layer under jit / grad / vmap /
 # shard_map and NNX, the Pallas kernels, and the JAX-only CLI run. For .ci/run's 25 minutes the
 # rest stays with `make test` (the pinned jax): the low-precision dtypes (bfloat16 here costs 21
 # programs), the pure-Python tests (judge, comparisons, cases, the CLI's argument errors: one
-# subprocess each), training and check_grads (whose float64 gradients the run above judges at
+# subprocess each; the layering, which reads our own imports), training and check_grads (whose float64 gradients the run above judges at
 # 1e-12). `make test` runs the whole ci sample on the pinned jax; set
 # SAMPLE312=default DTYPES312=float32,bfloat16,float16,float64 for the whole default matrix here.
 # The quantized indexer (SPEC section 7a) runs in every dtype here as well: the planted
@@ -129,7 +129,7 @@ test: $(STAMP)
 SAMPLE312 ?= ci
 DTYPES312 ?= float64
 QUANT312 ?= quant_planted
-TEST312_FILES := tests/test_bad_inputs.py tests/test_layering.py tests/test_memory.py tests/test_platforms.py \
+TEST312_FILES := tests/test_bad_inputs.py tests/test_memory.py tests/test_platforms.py \
 	tests/test_traceable.py tests/test_pallas.py tests/test_cli.py::test_jax_only_mode_needs_no_torch
 # The Pallas kernels' per-dtype repeats (the teacher by the kernels and at partial tiles) run here in
 # float32 only: float64 and bfloat16 cost ~55 s of this leg, and `make test` runs every dtype of them
