@@ -46,27 +46,23 @@ parity: $(STAMP)
 
 # The whole suite, in two processes side by side (each pytest one process). The main one: the
 # tests on the ci sample of the matrix (SAMPLE=default or full for more; docs/matrix.md says
-# what each holds), the matrix first. Beside it:
-# the implementation's mutation self-test (its mutants first; its clean run, which executes
-# matrix points the main process judges first, last in the side process: tests/conftest.py's
-# LAST, so that it loads the programs that matrix compiled, sharing one compilation cache), then
-# crash isolation, the random configurations, the query-chunk tests (a process of their own:
-# under xdist XLA:CPU's compiler segfaulted on query-blocked programs, once in each file; run
-# alone, both pass), the gradient checks, the fixtures' regeneration
-# and --check, and the caches (here, they even out the two processes' times: with the fixtures
-# and caches in the main one, .ci/run's main process ended after 1525 s, the side one after
-# 1281 s), the installed wheel (tests/test_installed.py: a wheel built and installed into a
-# venv outside the clone, run as a user runs it), and the quantizer's tests (tests/test_quant.py,
-# ~90 s); then the sharded slice (8 simulated devices, set before JAX starts), all on the same
-# sample as the main process; then the two-process slice (the sequence-sharded points across two
-# processes of 4 devices each, harness.run.multihost), which ends the side chain beside the main
-# process's last tests. The long samples' tests (tests/test_long_sample.py, ~60 s) run in the
-# main process and the training trajectories (tests/test_training.py, ~20 s) in the side one,
-# which keeps the two about even: in .ci/run on a 2-core AMD EPYC with its AVX512 flags hidden,
-# each on a CPU of its own (PIN below), the main process ended after 1408 s and the side chain
-# (side process, sharded and two-process slices) after 1445 s.
-# The split keeps the two about even on the 2-core CI machine (`.ci/run`'s log prints each
-# one's time). The side process's output is printed whole when both have ended; the target
+# what each holds), the matrix first. Beside it: crash isolation first (its ~40 s of waiting on
+# timed-out workers fall while .ci/run's Python 3.12 leg shares that CPU), then
+# the implementation's mutation self-test (its clean run, which executes matrix points the main
+# process judges first, last in the side process: tests/conftest.py's LAST, so that it loads
+# the programs that matrix compiled, sharing one compilation cache), the random configurations,
+# the query-chunk tests (a process of their own: under xdist XLA:CPU's compiler segfaulted on
+# query-blocked programs, once in each file; run alone, both pass), the fixtures' regeneration
+# and --check, the installed wheel (tests/test_installed.py: a wheel built and installed into a
+# venv outside the clone, run as a user runs it) and the training trajectories; then the sharded
+# slice (8 simulated devices, set before JAX starts), all on the same sample as the main
+# process; then the two-process slice (the sequence-sharded points across two processes of 4
+# devices each, harness.run.multihost), which ends the side chain beside the main process's last
+# tests. The quantizer's tests, the gradient checks and the caches run in the main process,
+# which keeps the two about even with the 3.12 leg on the side CPU: in .ci/run on a 2-core AMD
+# EPYC with its AVX512 flags hidden, the main process ended after 1569 s and the side chain
+# (side process, sharded and two-process slices) after 1542 s, the 3.12 leg after 814 s.
+# The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
 # (the ties/tiny/ragged slice: 172 s with -n 2, 134 s with -n 0), while two separate
 # processes get through ~1.35x the work of one; XDIST=auto where there are more cores.

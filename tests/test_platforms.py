@@ -134,3 +134,20 @@ def test_platforms_command_prints_the_table_and_the_tpu_selection():
     assert "tpu      no       yes" in out.stdout
     n = sum(1 for e in build_matrix() if e.point.dtype == "float64")
     assert f"tpu: {n} of {len(build_matrix())} default matrix entries not applicable" in out.stdout
+
+
+def test_the_default_worker_count_is_the_cpus_this_process_may_use(monkeypatch):
+    """`csa-parity run --jobs` defaults to the CPUs in this process's affinity (taskset, a
+    container's CPU set), not the machine's count: under `taskset -c 1` one worker, not one per
+    core fighting for that CPU."""
+    import os
+
+    from harness.run.cli import build_parser
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1}, raising=False)
+    assert platforms.usable_cpus() == 1
+    assert build_parser().parse_args(["run"]).jobs == 1
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # a platform without it (macOS)
+    assert platforms.usable_cpus() == 6
+    assert build_parser().parse_args(["run"]).jobs == 6
