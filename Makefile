@@ -60,8 +60,8 @@ parity: $(STAMP)
 # devices each, harness.run.multihost), which ends the side chain beside the main process's last
 # tests. The quantizer's tests, the gradient checks and the caches run in the main process,
 # which keeps the two about even with the 3.12 leg on the side CPU: in .ci/run on a 2-core AMD
-# EPYC with its AVX512 flags hidden, the main process ended after 1569 s and the side chain
-# (side process, sharded and two-process slices) after 1542 s, the 3.12 leg after 814 s.
+# EPYC with its AVX512 flags hidden, the main process ended after 1460 s and the side chain
+# (side process, sharded and two-process slices) after 1455 s, the 3.12 leg after 787 s.
 # The side process's output is printed whole when both have ended; the target
 # fails if either does. XDIST=0: on 2 cores two xdist workers were slower than one process
 # (the ties/tiny/ragged slice: 172 s with -n 2, 134 s with -n 0), while two separate
