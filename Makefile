@@ -101,7 +101,7 @@ test: $(STAMP)
 		$(foreach f,$(SIDE_TESTS),--ignore=$(f)); main=$$?; \
 	echo "=== make test: the main process ended after $$(( $$(date +%s) - t0 )) s"; \
 	wait $$pid; rc=$$?; \
-	echo "=== make test: mutation self-test, crash isolation, random configurations, query chunks, fixtures, the installed wheel, training, sharded and two-process slices (run beside the tests above)"; \
+	echo "=== make test: crash isolation, mutation self-test, random configurations, query chunks, fixtures, the installed wheel, training, sharded and two-process slices (run beside the tests above)"; \
 	cat "$$side"; rm -f "$$side"; \
 	test $$main = 0 && test $$rc = 0
 
