@@ -112,8 +112,8 @@ test: $(STAMP)
 # shard_map and NNX, the Pallas kernels, and the JAX-only CLI run. For .ci/run's 25 minutes the
 # rest stays with `make test` (the pinned jax): the low-precision dtypes (bfloat16 here costs 21
 # programs), the pure-Python tests (judge, comparisons, cases, the CLI's argument errors: one
-# subprocess each; the layering, which reads our own imports), training and check_grads (whose float64 gradients the run above judges at
-# 1e-12). `make test` runs the whole ci sample on the pinned jax; set
+# subprocess each; the layering, which reads our own imports), training and check_grads (whose
+# float64 gradients the run above judges at 1e-12). `make test` runs the whole ci sample on the pinned jax; set
 # SAMPLE312=default DTYPES312=float32,bfloat16,float16,float64 for the whole default matrix here.
 # The quantized indexer (SPEC section 7a) runs in every dtype here as well: the planted
 # boundaries (quant_planted, whose queries sit exactly on the quantizer's rounding midpoints and
@@ -131,16 +131,22 @@ TEST312_FILES := tests/test_bad_inputs.py tests/test_memory.py tests/test_platfo
 # float32 only: float64 and bfloat16 cost ~55 s of this leg, and `make test` runs every dtype of them
 # on the pinned jax. TEST312_SELECT= (empty) runs them all.
 TEST312_SELECT ?= not ((teacher_by_the_kernels or partial_tiles) and (float64 or bfloat16))
+# BESIDE=yes (.ci/run, which runs this leg beside `make test`): where PIN is on, the leg runs on
+# the CPU `make test` gives its side process (its main process keeps the other to itself), as XLA
+# sizes its threads by the CPUs a process may use.
+BESIDE ?= no
+ON_312_CPU := $(if $(filter yes,$(BESIDE)),$(ON_SIDE_CPU))
 # One compilation cache for both steps: the CLI tests load the tiny programs the run compiled.
 test312: $(STAMP312)
+	@echo "=== make test312: $(if $(ON_312_CPU),on CPU $(word 2,$(ALLOWED_CPUS)) beside make test's side process,on every allowed CPU)"
 	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
 	export CSA_PARITY_CACHE_DIR=$$cache JAX_COMPILATION_CACHE_DIR=$$cache/xla JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=4294967296 && \
-	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --dtypes $(DTYPES312) --out reports-py312 \
+	$(ON_312_CPU) $(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --dtypes $(DTYPES312) --out reports-py312 \
 		--no-progress && \
-	$(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --cases $(QUANT312) \
+	$(ON_312_CPU) $(BIN312)/csa-parity run --reference goldens --sample $(SAMPLE312) --cases $(QUANT312) \
 		--dtypes float32,bfloat16,float16 --out reports-py312-quant --no-progress && \
-	CSA_PARITY_NO_TORCH=1 $(BIN312)/python -m pytest -n $(XDIST) --durations=10 -k '$(TEST312_SELECT)' $(TEST312_FILES)
+	CSA_PARITY_NO_TORCH=1 $(ON_312_CPU) $(BIN312)/python -m pytest -n $(XDIST) --durations=10 -k '$(TEST312_SELECT)' $(TEST312_FILES)
 
 # The two-process slice alone (docs/multihost.md): two processes of 4 simulated CPU devices run
 # the sequence-sharded points as one program, then the judge; about a minute on 2 cores.
