@@ -74,6 +74,7 @@ class CSAConfig:
     rope_scaling: "YarnScaling | Mapping[str, Any] | None" = None
     index_quant: "IndexQuant | Mapping[str, Any] | None" = None
     scoring_backend: str = "xla"
+    key_window: int = 512
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS[:4]:
@@ -117,6 +118,9 @@ class CSAConfig:
         if self.scoring_backend not in SCORING_BACKENDS:
             raise ValueError(f"scoring_backend={self.scoring_backend!r} is not supported "
                              f"(valid: {', '.join(SCORING_BACKENDS)})")
+        if not (_is_int(self.key_window) and self.key_window >= 0):
+            raise ValueError(f"key_window={self.key_window!r} must be an int >= 0 (0: every query block scores "
+                             "every block)")
 
     # -- derived sizes -------------------------------------------------
     def num_blocks(self, seq_len: int) -> int:

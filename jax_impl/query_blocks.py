@@ -151,6 +151,77 @@ def _block_scores(params, keys, blocks, inputs, start, r, cfg, dtype_name, shard
     return (*out, codes) if with_codes else out
 
 
+def key_window_widths(cfg, num_blocks: int) -> tuple[int, ...]:
+    """The widths, in compressed blocks, of the key windows a query block may be scored in,
+    ascending; the last is W (every block). `cfg.key_window` times 1, 4, 16, ... (at least
+    k_eff, so that a window holds every pick), each at most W / 4 (a narrower branch is compiled
+    only where it saves at least 4x), then W. Just (W,) where `key_window` is 0 or W is below
+    four times the narrowest: then the program has no window at all."""
+    if not cfg.key_window:
+        return (num_blocks,)
+    width, out = max(cfg.key_window, min(cfg.index_topk, num_blocks)), []
+    while 4 * width <= num_blocks:
+        out.append(width)
+        width *= 4
+    return (*out, num_blocks)
+
+
+def key_span(position_ids, segment_ids, blocks, m: int):
+    """(lo, hi): the first block that any of the rows (position_ids, segment_ids [B, r]) sees, and
+    one past the last (lo = W, hi = 0 where they see none). One reduction over the rows'
+    validity, which is not kept."""
+    seen = jnp.any(rows_validity(position_ids, segment_ids, blocks, m), axis=(0, 1))
+    w = seen.shape[0]
+    idx = jnp.arange(w, dtype=jnp.int32)
+    return jnp.min(jnp.where(seen, idx, w)), jnp.max(jnp.where(seen, idx + 1, 0))
+
+
+def _in_key_window(fn, widths, inputs, start, r: int, blocks, m: int):
+    """fn(lo, width) for the query block of rows start .. start + r - 1, in the narrowest key window
+    of `widths` that holds every block its rows can see: blocks lo .. lo + width - 1 (lo traced,
+    width static). Every block outside it is invalid for every row of the block, so its scores
+    would be -inf, its probabilities exact zeros and its gradients zero: the window changes what
+    is computed, not what comes out (the sums over the window's blocks add the same nonzero terms,
+    in another order). Where no window is narrower than W, fn(0, W) alone, with no branch."""
+    w = widths[-1]
+    if len(widths) == 1:
+        return fn(0, w)
+    rows = start + jnp.arange(r)
+    pos, seg = _take_rows(inputs["position_ids"], rows), _take_rows(inputs["segment_ids"], rows)
+    # The padding rows past S repeat row S - 1 (`_take_rows`): they widen nothing.
+    lo, hi = key_span(pos, seg, blocks, m)
+    branch = jnp.sum(jnp.maximum(hi - lo, 0) > jnp.asarray(widths[:-1], jnp.int32))
+    branches = [lambda lo, width=width: fn(jnp.clip(lo, 0, w - width), width) for width in widths]
+    return jax.lax.switch(branch, branches, lo)
+
+
+def _window(a, lo, width: int):
+    """a[:, lo .. lo + width - 1] (axis 1: the blocks); `a` itself at the whole width."""
+    return a if width == a.shape[1] else jax.lax.dynamic_slice_in_dim(a, lo, width, axis=1)
+
+
+def _unwindow_scores(masked, lo, w: int):
+    """A window's masked scores [B, r, width] -> [B, r, W], -inf outside the window."""
+    if masked.shape[-1] == w:
+        return masked
+    full = jnp.full((*masked.shape[:2], w), -jnp.inf, masked.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(full, masked, lo, axis=2)
+
+
+def _unwindow_picks(topk, lo, width: int, w: int):
+    """A window's picks (relative to it, -1 invalid) -> block indices of the whole width."""
+    return topk if width == w else jnp.where(topk >= 0, topk + lo, -1)
+
+
+def _window_picks(picks, lo, width: int, w: int):
+    """Picks of the whole width [B, r, k] -> relative to the window lo .. lo + width - 1; a pick
+    outside it (a block the row cannot see: the loss drops it anyway) becomes -1."""
+    if width == w:
+        return picks
+    rel = picks - lo
+    return jnp.where((picks >= 0) & (rel >= 0) & (rel < width), rel, -1)
+
+
 def _starts(seq_len: int, r: int):
     return jnp.arange(num_query_blocks(seq_len, r), dtype=jnp.int32) * r
 
@@ -220,11 +291,16 @@ def rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, r: int, sha
     with `with_codes`, then the rows' query (codes, scales) (None without quantization).
     jax_impl.sharded calls it with a device's rows, every block's keys and its `shard`."""
     seq_len = inputs["position_ids"].shape[1]
+    w = keys_wide.shape[1]
 
     def body(_, start):
-        masked, _, topk, _, codes = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name,
-                                                  shard, with_codes=True)
-        return None, (masked, topk, codes if with_codes else None)
+        def scored(lo, width):
+            kw, bl = _window(keys_wide, lo, width), tuple(_window(a, lo, width) for a in blocks)
+            masked, _, topk, _, codes = _block_scores(params, kw, bl, inputs, start, r, cfg, dtype_name, shard,
+                                                      with_codes=True)
+            return _unwindow_scores(masked, lo, w), _unwindow_picks(topk, lo, width, w), codes if with_codes else None
+
+        return None, _in_key_window(scored, key_window_widths(cfg, w), inputs, start, r, blocks, cfg.compress_ratio)
 
     masked, topk, codes = _over_blocks(body, seq_len, r)
     out = _unblock(masked, seq_len), _unblock(topk, seq_len)
@@ -264,17 +340,23 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
     if shard.window is not None and "teacher_window_kv" in teacher:
         window = shard.window(teacher["teacher_window_kv"], inputs["segment_ids"])
 
+    w = keys_wide.shape[1]
+
     def body(_, start):
-        masked, valid, topk, rows = _block_scores(params, keys_wide, blocks, inputs, start, r, cfg, dtype_name,
-                                                  shard)
-        sel = None if selection is None else _take_rows(selection, rows)
-        keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
-        tq = _take_rows(inputs["teacher_query"], rows)
-        tq = jax.lax.stop_gradient(widen(round_to(tq, dtype), wide))
-        t = jax.lax.stop_gradient(teacher_distribution({**teacher, "teacher_query": tq}, keep, valid_tok, cfg,
-                                                       rows, inputs["segment_ids"], window, shard.sum_heads, dtype))
-        kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)
-        return None, (kl, valid_tok)
+        def block_loss(lo, width):
+            kw, bl = _window(keys_wide, lo, width), tuple(_window(a, lo, width) for a in blocks)
+            masked, valid, topk, rows = _block_scores(params, kw, bl, inputs, start, r, cfg, dtype_name, shard)
+            sel = None if selection is None else _window_picks(_take_rows(selection, rows), lo, width, w)
+            keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
+            tq = _take_rows(inputs["teacher_query"], rows)
+            tq = jax.lax.stop_gradient(widen(round_to(tq, dtype), wide))
+            t_in = {**teacher, "teacher_query": tq, "teacher_kv": _window(teacher["teacher_kv"], lo, width)}
+            t = jax.lax.stop_gradient(teacher_distribution(t_in, keep, valid_tok, cfg, rows, inputs["segment_ids"],
+                                                           window, shard.sum_heads, dtype))
+            return kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss), valid_tok
+
+        return None, _in_key_window(block_loss, key_window_widths(cfg, w), inputs, start, r, blocks,
+                                    cfg.compress_ratio)
 
     # kl, valid_tok: [nb, B, r]. The padding rows of the last block are in there: `row_ok`
     # made them rows with no valid block, so their KL term is 0 and they are not counted.

@@ -178,6 +178,84 @@ def test_entry_points_route_to_the_blocked_path():
         assert r.passed, r.message
 
 
+# ----------------------------------------------------------------------------- key windows
+
+# A problem whose query blocks see spans of every width: documents of 10, 14, 40 and 192 tokens
+# (W = 64 blocks of m = 4), query blocks of 8 rows. With key_window = 1 the windows are 4, 16
+# and 64 blocks wide (k = 4 is the narrowest; 64 is W): the first documents' blocks fit in 4,
+# the 40-token one's in 16, the late rows of the 192-token one need all 64.
+WIN_S, WIN_R, WIN_DOCS = 256, 8, (10, 14, 40, 192)
+
+
+@functools.lru_cache(maxsize=None)
+def _window_problem():
+    params, inputs = random_problem(SMALL, 1, WIN_S, seed=11, docs=[list(WIN_DOCS)])
+    rng = np.random.default_rng(12)
+    selection = rng.integers(-1, WIN_S // 4, size=(1, WIN_S, SMALL["index_topk"])).astype(np.int32)
+    return params, inputs, selection
+
+
+@functools.lru_cache(maxsize=None)
+def _window_bundle(dtype, key_window):
+    params, inputs, selection = _window_problem()
+    cfg = jax_impl.CSAConfig.from_dict(dict(SMALL, query_chunk=WIN_R, key_window=key_window))
+    raw = jax_impl.indexer_parity_bundle(params, inputs, cfg, dtype, selection)
+    out = {"forward": {k: to_numpy(v) for k, v in raw["forward"].items()}}
+    for mode in MODES:
+        loss, pg, ig = raw[mode]
+        out[mode] = {"loss": to_numpy(loss), **{f"grad.{k}": to_numpy(pg[k]) for k in PARAMS},
+                     "input_grads": {k: to_numpy(v) for k, v in ig.items()}}
+    return out
+
+
+def test_the_window_widths_and_the_block_each_query_block_is_scored_in():
+    """Which window each query block of the window problem takes (`key_span`, the rule of
+    query_blocks._in_key_window): all three widths occur, so the test below runs every branch."""
+    from jax_impl.query_blocks import key_span, key_window_widths
+    from jax_impl.scoring import key_blocks
+
+    params, inputs, _ = _window_problem()
+    cfg = jax_impl.CSAConfig.from_dict(dict(SMALL, query_chunk=WIN_R, key_window=1))
+    w = WIN_S // 4
+    assert key_window_widths(cfg, w) == (4, 16, 64)
+    assert key_window_widths(dataclasses.replace(cfg, key_window=0), w) == (64,)
+    assert key_window_widths(dataclasses.replace(cfg, key_window=17), w) == (64,)  # 4 * 17 > 64: no branch
+    assert key_window_widths(dataclasses.replace(cfg, key_window=512), 8192) == (512, 2048, 8192)
+    pos, seg = inputs["position_ids"], inputs["segment_ids"]
+    blocks = key_blocks(pos, seg, cfg, WIN_S)
+    taken = []
+    for b0 in range(0, WIN_S, WIN_R):
+        lo, hi = (int(v) for v in key_span(pos[:, b0:b0 + WIN_R], seg[:, b0:b0 + WIN_R], blocks, 4))
+        taken.append(next(width for width in (4, 16, 64) if hi - lo <= width))
+    assert set(taken) == {4, 16, 64}, taken
+    # The first query block's rows (tokens 0 .. 7, in the first document) see block 0 from token 3
+    # and block 1 at token 7.
+    assert [int(v) for v in key_span(pos[:, :8], seg[:, :8], blocks, 4)] == [0, 2]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_key_windows_change_nothing_but_the_work(dtype):
+    """The query-blocked path in key windows (key_window = 1: windows of 4, 16 and 64 blocks) against
+    the same path scoring every block (key_window = 0): the same -inf pattern and picks, the scores,
+    the three losses and the six gradients within the chunk bound (a window leaves out exact zeros
+    of the sums, which moves only their order), zero input gradients. The selection of
+    sparse_at_selection has picks outside the windows (random ids), which the loss must drop as
+    the whole width does."""
+    windowed, whole = _window_bundle(dtype, 1), _window_bundle(dtype, 0)
+    fb, fn = windowed["forward"], whole["forward"]
+    np.testing.assert_array_equal(np.isneginf(fb["index_scores"]), np.isneginf(fn["index_scores"]))
+    np.testing.assert_array_equal(fb["topk_indices"], fn["topk_indices"])
+    failures = [r.message for _, r in _differences(windowed, whole, dtype) if not r.passed]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "4"])
+def test_bad_key_window_names_the_field(value):
+    with pytest.raises(ValueError) as e:
+        jax_impl.CSAConfig.from_dict(dict(SMALL, key_window=value))
+    assert str(e.value) == f"key_window={value!r} must be an int >= 0 (0: every query block scores every block)"
+
+
 # ----------------------------------------------------------------------------- config
 
 

@@ -224,9 +224,9 @@ def _with_note(res, note):
     return dataclasses.replace(res, note=res.note + note) if note else res
 
 
-# The time limit of one long case when `--timeout` is not given: about 4x what one case at both
-# dtypes is estimated to take on the 2-core machine (docs/matrix.md, "How long it takes here"), so
-# that only a hang or a pathological slowdown reaches it.
+# The time limit of one long case when `--timeout` is not given: far above what one case at both
+# dtypes takes on the 2-core machine (12 and 15 minutes: docs/matrix.md, "How long it takes
+# here"), so that only a hang or a pathological slowdown reaches it.
 LONG_TIMEOUT_S = 4 * 3600.0
 
 
