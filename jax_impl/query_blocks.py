@@ -166,6 +166,13 @@ def key_window_widths(cfg, num_blocks: int) -> tuple[int, ...]:
     return (*out, num_blocks)
 
 
+def _widths(cfg, num_blocks: int, shard) -> tuple[int, ...]:
+    """`key_window_widths` on one device; the whole width on a mesh (jax_impl.sharded), whose
+    programs are not windowed: a window's branch would hold the collectives of the heads' sum, and
+    the context-parallel benchmark's memory and communication figures are of the whole width."""
+    return key_window_widths(cfg, num_blocks) if shard is ONE_DEVICE else (num_blocks,)
+
+
 def key_span(position_ids, segment_ids, blocks, m: int):
     """(lo, hi): the first block that any of the rows (position_ids, segment_ids [B, r]) sees, and
     one past the last (lo = W, hi = 0 where they see none). One reduction over the rows'
@@ -300,7 +307,7 @@ def rows_forward(params, keys_wide, blocks, inputs, cfg, dtype_name, r: int, sha
                                                       with_codes=True)
             return _unwindow_scores(masked, lo, w), _unwindow_picks(topk, lo, width, w), codes if with_codes else None
 
-        return None, _in_key_window(scored, key_window_widths(cfg, w), inputs, start, r, blocks, cfg.compress_ratio)
+        return None, _in_key_window(scored, _widths(cfg, w, shard), inputs, start, r, blocks, cfg.compress_ratio)
 
     masked, topk, codes = _over_blocks(body, seq_len, r)
     out = _unblock(masked, seq_len), _unblock(topk, seq_len)
@@ -355,7 +362,7 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
                                                            window, shard.sum_heads, dtype))
             return kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss), valid_tok
 
-        return None, _in_key_window(block_loss, key_window_widths(cfg, w), inputs, start, r, blocks,
+        return None, _in_key_window(block_loss, _widths(cfg, w, shard), inputs, start, r, blocks,
                                     cfg.compress_ratio)
 
     # kl, valid_tok: [nb, B, r]. The padding rows of the last block are in there: `row_ok`

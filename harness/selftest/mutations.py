@@ -284,8 +284,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     ),
     Mutant(
         "qchunk_normaliser_per_block", "chunking", "query_blocks.py",
-        "        return None, (kl, valid_tok)\n",
-        "        return None, (kl / jnp.maximum(jnp.sum(valid_tok), 1), valid_tok)\n",
+        "            return kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss), valid_tok\n",
+        "            kl = kl_per_token(masked, keep, valid_tok, t, cfg.sparse_loss)\n"
+        "            return kl / jnp.maximum(jnp.sum(valid_tok), 1), valid_tok\n",
         ("chunk", "exact64"), (TINY64_QCHUNK,),
         "query blocks: each block's KL sum divided by its own count of valid rows and the blocks' "
         "means summed, instead of one global sum over one global count",
