@@ -22,6 +22,12 @@ unblocked path forms it, one global sum divided by one global count, over those
 outputs as they come (the padding rows hold 0 and count as invalid because `row_ok`
 says so, and only because of it).
 
+Key windows (`cfg.key_window`, `_in_key_window`): on one device, a block whose rows
+see only a stretch of the blocks (a document, the causal prefix) is scored in the
+narrowest window of `key_window_widths` that holds that stretch, so its [B, r, W]
+arrays become [B, r, width]; what is left out is exact zeros of every sum. Below
+W = 4 * max(key_window, k) there is no window and the program is the one above.
+
 The forward API (`forward`) assembles the full [B, S, W] scores and top-k from
 the blocks, for parity; the memory promise is the loss and its gradient.
 """
