@@ -87,7 +87,12 @@ def _bundle(dtype, r, ichunk, tchunk):
     params, inputs, selection = _problem()
     cfg = jax_impl.CSAConfig.from_dict(dict(SMALL, query_chunk=r, indexer_head_chunk=ichunk,
                                             loss_head_chunk=tchunk))
-    raw = jax_impl.indexer_parity_bundle(params, inputs, cfg, dtype, selection)
+    return _as_numpy(jax_impl.indexer_parity_bundle(params, inputs, cfg, dtype, selection))
+
+
+def _as_numpy(raw):
+    """A parity bundle as numpy: the forward's arrays, and per mode the loss, the six gradients and
+    the input gradients."""
     out = {"forward": {k: to_numpy(v) for k, v in raw["forward"].items()}}
     for mode in MODES:
         loss, pg, ig = raw[mode]
@@ -199,13 +204,7 @@ def _window_problem():
 def _window_bundle(dtype, key_window):
     params, inputs, selection = _window_problem()
     cfg = jax_impl.CSAConfig.from_dict(dict(SMALL, query_chunk=WIN_R, key_window=key_window))
-    raw = jax_impl.indexer_parity_bundle(params, inputs, cfg, dtype, selection)
-    out = {"forward": {k: to_numpy(v) for k, v in raw["forward"].items()}}
-    for mode in MODES:
-        loss, pg, ig = raw[mode]
-        out[mode] = {"loss": to_numpy(loss), **{f"grad.{k}": to_numpy(pg[k]) for k in PARAMS},
-                     "input_grads": {k: to_numpy(v) for k, v in ig.items()}}
-    return out
+    return _as_numpy(jax_impl.indexer_parity_bundle(params, inputs, cfg, dtype, selection))
 
 
 def test_the_window_widths_and_the_block_each_query_block_is_scored_in():
