@@ -154,8 +154,12 @@ def indexer_forward(params, inputs, cfg: CSAConfig, dtype: str, codes=None):
 # rounded up to a multiple of W / PREFIX_BUCKETS blocks and of at least PREFIX_MIN_BLOCKS, so that
 # the blocks of rows of one long sequence share at most PREFIX_BUCKETS programs and a short
 # sequence (W <= PREFIX_MIN_BLOCKS) only the whole-width one. Over every row of a sequence this
-# scores about (1 + 1/PREFIX_BUCKETS) / 2 of the [S, W] entries the whole width does.
-PREFIX_BUCKETS, PREFIX_MIN_BLOCKS = 16, 1024
+# scores about (1 + 1/PREFIX_BUCKETS) / 2 of the [S, W] entries the whole width does, where the rows
+# see more than the widest key window (config `key_window`); a block whose rows see less is scored
+# in its window whatever its prefix. Each bucket is a program of its own, compiled on first use
+# (about 2 s at W = 32768 on the 2-core machine, measured): 4 buckets, not more, since with key
+# windows a narrower prefix saves work only on the rows of very long documents.
+PREFIX_BUCKETS, PREFIX_MIN_BLOCKS = 4, 1024
 
 
 def prefix_blocks(seq_len: int, end: int, cfg: CSAConfig) -> int:

@@ -360,7 +360,10 @@ def rows_loss(params, keys_wide, blocks, inputs, selection, cfg, dtype_name, r: 
             kw, bl = _window(keys_wide, lo, width), tuple(_window(a, lo, width) for a in blocks)
             masked, valid, topk, rows = _block_scores(params, kw, bl, inputs, start, r, cfg, dtype_name, shard)
             sel = None if selection is None else _window_picks(_take_rows(selection, rows), lo, width, w)
-            keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss, sel)
+            # A window no wider than k: the own top-k picks every block of it, so the sparse loss keeps
+            # every valid one, as the dense loss does (and the program sorts nothing).
+            picks_all = sel is None and width < w and width <= cfg.index_topk
+            keep, valid_tok = loss_keep(valid, topk, cfg.sparse_loss and not picks_all, sel)
             tq = _take_rows(inputs["teacher_query"], rows)
             tq = jax.lax.stop_gradient(widen(round_to(tq, dtype), wide))
             t_in = {**teacher, "teacher_query": tq, "teacher_kv": _window(teacher["teacher_kv"], lo, width)}

@@ -244,6 +244,55 @@ def test_chunk_bound_is_the_tight_chunk_table_against_native(quantity, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantity", ["loss", "grad.indexer.wq_b"])
+def test_a_long_problems_float32_chunk_bound_is_at_least_the_float32_references_error(quantity, dtype):
+    """chunk at length: where the references carry the float32 reference's own error on the
+    problem (References.chunk_floors, the long samples), a float32 entry's chunk bound is the
+    larger of alpha times it and CHUNK[t][kind], the note says so; a bfloat16 entry keeps
+    CHUNK[t][kind]; a floor below CHUNK changes nothing. Dense and sparse (chunk@sel and end to
+    end) alike."""
+    mode, name, kind, scale, make = QUANTITIES[quantity]
+    table = tolerance.CHUNK[dtype][kind]
+    for floor in (4 * tolerance.CHUNK["bfloat16"][kind], 0.1 * table):
+        bound = max(table, ALPHA[kind] * floor) if dtype == "float32" else table
+        oracle = make(_rng(8))
+        native = _bump(oracle, 1e-3, _first(oracle), scale)
+        torch_t = _bump(oracle, 0.05, _first(oracle), scale)
+
+        def run(f):
+            cand = Outputs("hand-made", {name: _bump(native, f * bound, scale=scale)})
+            refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@t", {name: torch_t}),
+                              native=Outputs("native", {name: native}), chunk_floors={name: floor})
+            res = _only(judge(_entry(quantity, dtype, ichunk=1), cand, refs), "chunk")
+            assert ("own error on this problem" in res.message) == (bound > table), (
+                f"rule 'chunk at length': the note names the float32 reference's error exactly where it sets the "
+                f"bound ({bound:.4g}, CHUNK {table:.4g}): {res.message}")
+            return res
+
+        _assert_boundary(f"chunk at length: max(CHUNK[{dtype}][{kind}], alpha x float32 error {floor:.3g})", run,
+                         bound)
+
+    sparse_name = {"loss": "loss.sparse", "grad.indexer.wq_b": "grad.sparse.indexer.wq_b"}[quantity]
+    floor = 4 * tolerance.CHUNK["bfloat16"][kind]
+    bound = max(table, ALPHA[kind] * floor) if dtype == "float32" else table
+    scores, oracle, own, at_sel = _sparse_problem(_rng(9), quantity)
+    for f, want in ((BELOW, PASSED), (ABOVE, FAILED)):
+        native = _bump(oracle, 1e-3, _first(oracle))
+        refs = References(
+            Outputs("oracle", {"index_scores": scores, "topk_indices": SPARSE_PICKS, own: oracle}),
+            Outputs("torch@t", {"index_scores": scores, at_sel: _bump(oracle, 0.05, _first(oracle))}),
+            native=Outputs("native", {"topk_indices": SPARSE_PICKS, own: native, at_sel: native}),
+            chunk_floors={own: floor, at_sel: floor})
+        cand = Outputs("c", {"topk_indices": SPARSE_PICKS, own: _bump(native, f * bound),
+                             at_sel: _bump(native, f * bound)})
+        results = judge(_entry(quantity, dtype, mode="sparse", ichunk=1), cand, refs)
+        for check in ("chunk@sel", "chunk"):
+            assert _only(results, check).status == want, (
+                f"rule 'chunk at length' ({check}, {sparse_name}): an error at {f}x the bound ({bound:.4g}) must be "
+                f"{want}: {_only(results, check).message}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantity", list(QUANTITIES))
 def test_a_pallas_point_is_judged_against_the_xla_path_at_the_backend_bound(quantity, dtype):
     """xla: the pallas backend's X@t against the XLA path at the same knobs (refs.native), to

@@ -80,7 +80,7 @@ def test_a_block_of_rows_is_those_rows_of_the_whole_forward(case, rows, position
     (the same programs' arithmetic on the same rows); on the prefix path, to 1e-13 (below).
 
     `grain 4`: the causal prefix a block of rows is scored against (api.prefix_blocks) rounded to
-    4 blocks, not to W / 16 of at least 1024, so that toy rows take the prefix path (a toy's W is
+    4 blocks, not to W / 4 of at least 1024, so that toy rows take the prefix path (a toy's W is
     one bucket of the default grain); `reversed`: positions that fall with the index, so later
     blocks are visible to early rows and the program must score the whole width."""
     import numpy as np
@@ -131,21 +131,27 @@ def test_a_long_case_over_the_memory_limit_is_an_error_with_its_peak():
     assert value == "a/b" and 0 < peak < 2**30
 
 
-def test_a_long_case_that_dies_is_an_error_at_every_entry_and_the_run_goes_on(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_long_case_that_dies_is_an_error_at_every_entry_and_the_run_goes_on(monkeypatch, tmp_path, capsys, jobs):
     """`csa-parity run --sample long`: the first case's worker runs out of memory; each of its
     entries is an error with that line, the second case is still judged (here: nothing to judge),
-    the exit status is 1 and the reports say which case and why."""
+    the exit status is 1 and the reports say which case and why. With `--jobs 2` both cases' workers
+    run at once (each waits for the other to start: one after the other, the wait would time out)."""
+    import threading
+
     line = "out of memory: peak 9.10 GiB (limit 8.00 GiB) at long case long_deep_documents"
+    both = threading.Barrier(jobs, timeout=20)
 
     def fake(target, args, label, limit_s, max_memory):
         assert target == "harness.run.long:case_records" and limit_s == long.LONG_TIMEOUT_S and max_memory == 8 * 2**30
+        both.wait()
         if args[0] == "long_deep_documents":
             raise worker.WorkerCrash(line)
         return ([], {"jax": 1.0, "oracle": 2.0, "judge": 3.0}), 2**30
 
     monkeypatch.setattr(worker, "call_in_worker", fake)
     args = argparse.Namespace(sample="long", cases=None, dtypes=None, modes=None, timeout=None, max_memory="8GiB",
-                              out=str(tmp_path))
+                              out=str(tmp_path), jobs=jobs)
     assert long.run(args) == 1
     report = json.loads((tmp_path / "parity.json").read_text())
     errors = [r for r in report["results"] if r["status"] == "error"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -161,6 +162,7 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
         at_dtype = {"compressed_keys": long_sides.reference_keys(params, inputs, problem, t),
                     **(long_sides.reference_losses(params, inputs, problem, t, selection) if losses else {})}
         t0 = clock.add("oracle", t0)
+        floors = chunk_floors(at_dtype, oracle) if t == "float32" else {}
         chunked, *native = points[t]
         native = native[0] if native else None
         cand = {p: {"compressed_keys": long_sides.candidate_keys(params, inputs, problem, p),
@@ -189,7 +191,7 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
             refs = References(oracle=long_sides.as_outputs("torch_ref@float64 (row blocks)", oracle),
                               at_dtype=long_sides.as_outputs(f"torch_ref@{t} (row blocks)", at_dtype),
                               native=None if native_of is None else long_sides.as_outputs("jax native", cand[native_of]),
-                              dims=dims(case), streamed=streamed)
+                              dims=dims(case), streamed=streamed, chunk_floors=floors)
             outputs = long_sides.as_outputs("jax", cand[p])
             for entry in _entries(p, modes):
                 if entry.mode != "forward" and not every_row:
@@ -204,6 +206,23 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
                     out.append((entry, picks_ok[t, i].result().with_context(entry.label)))
         t0 = clock.add("judge", t0)
     return out, clock.s
+
+
+def chunk_floors(at_float32, oracle) -> dict[str, float]:
+    """References.chunk_floors of a long problem: per loss and gradient name, the float32
+    reference's normalised error against the float64 oracle's value. The reference's sparse run
+    on the oracle's selection (`sparse_at_oracle`) stands for the candidate's own selection too,
+    as it is the baseline of that oracle check."""
+    from ..judging.compare import normalised_error
+
+    out = {}
+    for name, value in at_float32.items():
+        if not name.startswith(("loss.", "grad.")):
+            continue
+        own = name.replace(".sparse_at_oracle", ".sparse")
+        out[name] = float(normalised_error(value, oracle[own], "tensor")[0])
+        out[own] = out[name]
+    return out
 
 
 def _entries(point, modes):
@@ -225,8 +244,8 @@ def _with_note(res, note):
 
 
 # The time limit of one long case when `--timeout` is not given: far above what one case at both
-# dtypes takes on the 2-core machine (12 and 15 minutes: docs/matrix.md, "How long it takes
-# here"), so that only a hang or a pathological slowdown reaches it.
+# dtypes takes on the 2-core machine (about 24 minutes, both cases side by side: docs/matrix.md,
+# "How long it takes here"), so that only a hang or a pathological slowdown reaches it.
 LONG_TIMEOUT_S = 4 * 3600.0
 
 
@@ -270,21 +289,30 @@ def run(args) -> int:
         raise ValueError(f"--sample {sample} judges {', '.join(sample_dtypes)}; not {', '.join(bad)}")
     limit_s = args.timeout if args.timeout is not None else LONG_TIMEOUT_S
     max_memory = None if getattr(args, "max_memory", None) is None else parse_size(args.max_memory)
-    records, stages = [], {}
-    for name in names:
-        print(f"long case {name}: S={cases[name].seq_len}, W={cases[name].num_blocks}, "
-              f"k={cases[name].config['index_topk']} (a worker of its own)", file=sys.stderr)
+    jobs = max(1, min(getattr(args, "jobs", None) or 1, len(names)))
+
+    def one(name):
+        sys.stderr.write(f"long case {name}: S={cases[name].seq_len}, W={cases[name].num_blocks}, "
+                         f"k={cases[name].config['index_topk']} (a worker of its own)\n")  # one write: lines of
+        sys.stderr.flush()  # the cases' threads do not interleave
         started = time.time()
         try:
             (recs, clock), peak = call_in_worker(f"{__name__}:case_records", (name, dtypes, args.modes),
                                                  f"long case {name}", limit_s, max_memory)
-            stages[name] = {**{k: round(v, 1) for k, v in clock.items()}, "wall_s": round(time.time() - started, 1),
-                            "peak_rss_gib": None if peak is None else round(peak / 2**30, 2)}
+            return recs, {**{k: round(v, 1) for k, v in clock.items()}, "wall_s": round(time.time() - started, 1),
+                          "peak_rss_gib": None if peak is None else round(peak / 2**30, 2)}
         except Exception as exc:  # its worker died, or the harness raised in it: the case's error, the run goes on
             line = str(exc) if isinstance(exc, WorkerCrash) else f"the harness raised at long case {name}: {first_line(exc)}"
-            recs = error_records(case_entries(name, dtypes, args.modes), line)
-            stages[name] = {"wall_s": round(time.time() - started, 1), "error": line}
-        records += recs
+            return error_records(case_entries(name, dtypes, args.modes), line), {
+                "wall_s": round(time.time() - started, 1), "error": line}
+
+    # `--jobs` cases at once, each in its worker (a case's program uses about 1.4 of the 2 cores: two
+    # side by side use both); `--max-memory` limits each worker.
+    records, stages = [], {}
+    with ThreadPoolExecutor(jobs) as pool:
+        for name, (recs, stage) in zip(names, pool.map(one, names)):
+            records += recs
+            stages[name] = stage
     attach_reruns(records)
     records.sort(key=lambda r: (r["case"], r["dtype"], r["ichunk"], r["mode"], r["quantity"], r["check"]))
     meta = {"impl": "jax", "reference": "live (row blocks)", "tolerance_profile": "highest", "sample": sample,

@@ -197,6 +197,25 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
         "every dtype's chunk check read from the bfloat16 row: float32 chunked-vs-native 2.5-20x looser",
     ),
     HarnessMutant(
+        "chunk_floor_ignored", "bound", "judging/judge.py",
+        "    if policy.alpha(name) * t_err > bound:\n",
+        "    if False:\n",
+        _rules("test_a_long_problems_float32_chunk_bound_is_at_least_the_float32_references_error"),
+        "chunk at length",
+        "the float32 reference's error on a long problem never reaches the chunk bound: a float32 gradient "
+        "summed over 10^5 rows is held to the toy problems' CHUNK, 100x below what its summation order costs "
+        "there",
+    ),
+    HarnessMutant(
+        "chunk_floor_at_every_dtype", "bound", "judging/judge.py",
+        't_err = refs.chunk_floors.get(name, 0.0) if versus == "chunk" and p.dtype == "float32" else 0.0',
+        't_err = refs.chunk_floors.get(name, 0.0) if versus == "chunk" else 0.0',
+        _rules("test_a_long_problems_float32_chunk_bound_is_at_least_the_float32_references_error"),
+        "chunk at length",
+        "the float32 reference's error reaches a bfloat16 entry's chunk bound: a narrow dtype's chunk check, "
+        "an ulp-scale bound of its own rounding, loosened by another dtype's sums",
+    ),
+    HarnessMutant(
         "backend_at_the_chunk_bound", "bound", "judging/judge.py",
         '        return "xla", policy.backend_bound',
         '        return "xla", policy.chunk',

@@ -731,6 +731,16 @@ LENGTH_CATALOGUE: tuple[Mutant, ...] = (
         "holds several, and a row keeps a block scored up to a bfloat16 step (2^-8 relative) below one it "
         "drops",
         long_blocks=(LONG_RANKED_BLOCK,)),
+    Mutant(
+        "window_picks_not_shifted", "chunking", "query_blocks.py",
+        "    return topk if width == w else jnp.where(topk >= 0, topk + lo, -1)\n",
+        "    return topk if width == w else jnp.where(topk >= 0, topk, -1)\n",
+        ("topk", "invariants"), (TINY64, PACKED64, SMALL_BF16_ICHUNK, TINY64_QCHUNK),
+        "a query block scored in a key window hands back its picks as ids within the window, not shifted "
+        "by the window's first block (a local top-k id aliased into other blocks: the rows pick blocks of "
+        "earlier documents they never scored); no toy problem has a window (W < 4 x max(key_window, k)), "
+        "so only a long one runs the line",
+        long_blocks=(LONG_LAST_BLOCK,)),
 )
 
 
