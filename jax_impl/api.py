@@ -156,10 +156,12 @@ def indexer_forward(params, inputs, cfg: CSAConfig, dtype: str, codes=None):
 # sequence (W <= PREFIX_MIN_BLOCKS) only the whole-width one. Over every row of a sequence this
 # scores about (1 + 1/PREFIX_BUCKETS) / 2 of the [S, W] entries the whole width does, where the rows
 # see more than the widest key window (config `key_window`); a block whose rows see less is scored
-# in its window whatever its prefix. Each bucket is a program of its own, compiled on first use
-# (about 2 s at W = 32768 on the 2-core machine, measured): 4 buckets, not more, since with key
-# windows a narrower prefix saves work only on the rows of very long documents.
-PREFIX_BUCKETS, PREFIX_MIN_BLOCKS = 4, 1024
+# in its window whatever its prefix. Each bucket is a program of its own, compiled on first use:
+# about 2 s at W = 32768 on the 2-core machine, where a call took 0.35-0.55 s at any prefix of the
+# long cases (their rows all fit a window), so a bucket holds at least 8192 blocks (4 programs at
+# W = 32768); at W = 262144, whose first documents' rows see up to 131072 blocks, 16 buckets of
+# 16384 (measured: 4 buckets made the million sample's first half 1.3x slower).
+PREFIX_BUCKETS, PREFIX_MIN_BLOCKS = 16, 8192
 
 
 def prefix_blocks(seq_len: int, end: int, cfg: CSAConfig) -> int:

@@ -80,7 +80,7 @@ def test_a_block_of_rows_is_those_rows_of_the_whole_forward(case, rows, position
     (the same programs' arithmetic on the same rows); on the prefix path, to 1e-13 (below).
 
     `grain 4`: the causal prefix a block of rows is scored against (api.prefix_blocks) rounded to
-    4 blocks, not to W / 4 of at least 1024, so that toy rows take the prefix path (a toy's W is
+    4 blocks, not to W / 16 of at least 8192, so that toy rows take the prefix path (a toy's W is
     one bucket of the default grain); `reversed`: positions that fall with the index, so later
     blocks are visible to early rows and the program must score the whole width."""
     import numpy as np

@@ -306,7 +306,7 @@ def run(args) -> int:
             return error_records(case_entries(name, dtypes, args.modes), line), {
                 "wall_s": round(time.time() - started, 1), "error": line}
 
-    # `--jobs` cases at once, each in its worker (a case's program uses about 1.4 of the 2 cores: two
+    # `--jobs` cases at once, each in its worker (a case's programs keep about 1.5 of the 2 cores busy: two
     # side by side use both); `--max-memory` limits each worker.
     records, stages = [], {}
     with ThreadPoolExecutor(jobs) as pool:
