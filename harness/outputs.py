@@ -234,10 +234,10 @@ class References:
     # against the oracle's), "native-topk" (against its native run's), "oracle:index_scores" and
     # "native:index_scores". The judge takes them in place of comparing arrays it is not handed.
     streamed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # For a problem the CHUNK table was not measured on (the long samples, SPEC section 11): per
-    # canonical name of a loss or gradient, the float32 reference's own error on the same problem
-    # against the float64 oracle. A float32 entry's `chunk` bound is at least alpha times it
-    # (judge._native_bound): a gradient summed over 10^5 rows with heavy cancellation loses to
-    # float32 whatever the order of its sums, and two orders differ by about as much (docs/judging.md,
-    # "Chunk bounds at length"). Empty elsewhere.
-    chunk_floors: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # True for a problem the CHUNK table was not measured on (the long samples, SPEC section 11): a
+    # float32 entry's `chunk` bound of a loss or gradient is then at least alpha times the float32
+    # reference's own error on it (`at_dtype` against `oracle`, as the oracle check's baseline;
+    # judge._native_bound): a gradient summed over 10^5 rows with heavy cancellation loses to float32
+    # whatever the order of its sums, and two orders differ by about as much (docs/judging.md, "Chunk
+    # bounds at length").
+    chunk_at_length: bool = False

@@ -246,8 +246,8 @@ def test_chunk_bound_is_the_tight_chunk_table_against_native(quantity, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantity", ["loss", "grad.indexer.wq_b"])
 def test_a_long_problems_float32_chunk_bound_is_at_least_the_float32_references_error(quantity, dtype):
-    """chunk at length: where the references carry the float32 reference's own error on the
-    problem (References.chunk_floors, the long samples), a float32 entry's chunk bound is the
+    """chunk at length: on a long problem (References.chunk_at_length, the long samples), where the
+    float32 reference at the dtype is `floor` from the oracle, a float32 entry's chunk bound is the
     larger of alpha times it and CHUNK[t][kind], the note says so; a bfloat16 entry keeps
     CHUNK[t][kind]; a floor below CHUNK changes nothing. Dense and sparse (chunk@sel and end to
     end) alike."""
@@ -257,12 +257,12 @@ def test_a_long_problems_float32_chunk_bound_is_at_least_the_float32_references_
         bound = max(table, ALPHA[kind] * floor) if dtype == "float32" else table
         oracle = make(_rng(8))
         native = _bump(oracle, 1e-3, _first(oracle), scale)
-        torch_t = _bump(oracle, 0.05, _first(oracle), scale)
+        torch_t = _bump(oracle, floor, _first(oracle), scale)
 
         def run(f):
             cand = Outputs("hand-made", {name: _bump(native, f * bound, scale=scale)})
             refs = References(Outputs("oracle", {name: oracle}), Outputs("torch@t", {name: torch_t}),
-                              native=Outputs("native", {name: native}), chunk_floors={name: floor})
+                              native=Outputs("native", {name: native}), chunk_at_length=True)
             res = _only(judge(_entry(quantity, dtype, ichunk=1), cand, refs), "chunk")
             assert ("own error on this problem" in res.message) == (bound > table), (
                 f"rule 'chunk at length': the note names the float32 reference's error exactly where it sets the "
@@ -280,9 +280,9 @@ def test_a_long_problems_float32_chunk_bound_is_at_least_the_float32_references_
         native = _bump(oracle, 1e-3, _first(oracle))
         refs = References(
             Outputs("oracle", {"index_scores": scores, "topk_indices": SPARSE_PICKS, own: oracle}),
-            Outputs("torch@t", {"index_scores": scores, at_sel: _bump(oracle, 0.05, _first(oracle))}),
+            Outputs("torch@t", {"index_scores": scores, at_sel: _bump(oracle, floor, _first(oracle))}),
             native=Outputs("native", {"topk_indices": SPARSE_PICKS, own: native, at_sel: native}),
-            chunk_floors={own: floor, at_sel: floor})
+            chunk_at_length=True)
         cand = Outputs("c", {"topk_indices": SPARSE_PICKS, own: _bump(native, f * bound),
                              at_sel: _bump(native, f * bound)})
         results = judge(_entry(quantity, dtype, mode="sparse", ichunk=1), cand, refs)

@@ -89,15 +89,18 @@ def _native_rule(point, policy: Policy):
     return "chunk", policy.chunk
 
 
-def _native_bound(p, policy: Policy, refs: References, name: str) -> tuple[str, float, str]:
-    """(check name, bound, note) of canonical `name`'s comparison with `references.native`: the
-    `_native_rule` bound; a float32 `chunk` check's bound is at least alpha times the float32
-    reference's own error on the same problem where the references carry it
-    (References.chunk_floors: a long problem, whose sums the CHUNK table was not measured on), and
-    the note says so."""
+def _native_bound(p, policy: Policy, refs: References, name: str, oracle_name: str | None = None
+                  ) -> tuple[str, float, str]:
+    """(check name, bound, note) of the comparison with `references.native` of an entry whose
+    reference at the dtype is `name` (and the oracle's value `oracle_name`, default the same): the
+    `_native_rule` bound; on a long problem (References.chunk_at_length) a float32 `chunk` check's
+    bound is at least alpha times the float32 reference's own error there, whose sums the CHUNK
+    table was not measured on, and the note says so."""
     versus, rule = _native_rule(p, policy)
     bound = rule(p.dtype, name)
-    t_err = refs.chunk_floors.get(name, 0.0) if versus == "chunk" and p.dtype == "float32" else 0.0
+    t_err = 0.0
+    if refs.chunk_at_length and versus == "chunk" and p.dtype == "float32":
+        t_err = normalised_error(refs.at_dtype[name], refs.oracle[oracle_name or name], "tensor")[0]
     if policy.alpha(name) * t_err > bound:
         return versus, policy.alpha(name) * t_err, (
             f"bound: alpha {policy.alpha(name):g} x the float32 reference's own error on this problem {t_err:.3g}, "
@@ -243,7 +246,7 @@ def _dense(entry, outputs: Outputs, refs: References, policy: Policy) -> list[Ch
 def _sparse(entry, outputs: Outputs, refs: References, policy: Policy) -> list[CheckResult]:
     p, q = entry.point, entry.quantity
     own, at_sel = output_name(q, "sparse"), output_name(q, "sparse_at_oracle")
-    versus, bound, note = _native_bound(p, policy, refs, own)
+    versus, bound, note = _native_bound(p, policy, refs, at_sel, own)
     out = []
     # 1. on the oracle's selection: the numbers, whatever the candidate picks. The oracle's
     #    value is its own sparse run (its selection is the selection).

@@ -162,7 +162,6 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
         at_dtype = {"compressed_keys": long_sides.reference_keys(params, inputs, problem, t),
                     **(long_sides.reference_losses(params, inputs, problem, t, selection) if losses else {})}
         t0 = clock.add("oracle", t0)
-        floors = chunk_floors(at_dtype, oracle) if t == "float32" else {}
         chunked, *native = points[t]
         native = native[0] if native else None
         cand = {p: {"compressed_keys": long_sides.candidate_keys(params, inputs, problem, p),
@@ -191,7 +190,7 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
             refs = References(oracle=long_sides.as_outputs("torch_ref@float64 (row blocks)", oracle),
                               at_dtype=long_sides.as_outputs(f"torch_ref@{t} (row blocks)", at_dtype),
                               native=None if native_of is None else long_sides.as_outputs("jax native", cand[native_of]),
-                              dims=dims(case), streamed=streamed, chunk_floors=floors)
+                              dims=dims(case), streamed=streamed, chunk_at_length=True)
             outputs = long_sides.as_outputs("jax", cand[p])
             for entry in _entries(p, modes):
                 if entry.mode != "forward" and not every_row:
@@ -206,23 +205,6 @@ def judge_case(name: str, dtypes=LONG_DTYPES, modes=None, policy=None, case=None
                     out.append((entry, picks_ok[t, i].result().with_context(entry.label)))
         t0 = clock.add("judge", t0)
     return out, clock.s
-
-
-def chunk_floors(at_float32, oracle) -> dict[str, float]:
-    """References.chunk_floors of a long problem: per loss and gradient name, the float32
-    reference's normalised error against the float64 oracle's value. The reference's sparse run
-    on the oracle's selection (`sparse_at_oracle`) stands for the candidate's own selection too,
-    as it is the baseline of that oracle check."""
-    from ..judging.compare import normalised_error
-
-    out = {}
-    for name, value in at_float32.items():
-        if not name.startswith(("loss.", "grad.")):
-            continue
-        own = name.replace(".sparse_at_oracle", ".sparse")
-        out[name] = float(normalised_error(value, oracle[own], "tensor")[0])
-        out[own] = out[name]
-    return out
 
 
 def _entries(point, modes):

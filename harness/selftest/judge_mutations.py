@@ -208,8 +208,8 @@ CATALOGUE: tuple[HarnessMutant, ...] = (
     ),
     HarnessMutant(
         "chunk_floor_at_every_dtype", "bound", "judging/judge.py",
-        't_err = refs.chunk_floors.get(name, 0.0) if versus == "chunk" and p.dtype == "float32" else 0.0',
-        't_err = refs.chunk_floors.get(name, 0.0) if versus == "chunk" else 0.0',
+        'if refs.chunk_at_length and versus == "chunk" and p.dtype == "float32":',
+        'if refs.chunk_at_length and versus == "chunk":',
         _rules("test_a_long_problems_float32_chunk_bound_is_at_least_the_float32_references_error"),
         "chunk at length",
         "the float32 reference's error reaches a bfloat16 entry's chunk bound: a narrow dtype's chunk check, "
